@@ -1,0 +1,1 @@
+"""Benchmark helpers: baselines and timing utilities for cpindex."""

@@ -1,0 +1,27 @@
+"""Exceptions raised by cpindex."""
+
+from __future__ import annotations
+
+
+class CPIndexError(RuntimeError):
+    """Base class of cpindex runtime failures (bad input raises ValueError/TypeError instead)."""
+
+
+class TransportUnavailable(CPIndexError):
+    """A transport cannot run here; the message says why and what would fix it."""
+
+
+class PeerTimeoutError(CPIndexError):
+    """A rank waited longer than ``config.timeout_s`` for a peer.
+
+    The instance refuses further calls until :meth:`cpindex.IndexCP.reset` (collective) or
+    :meth:`cpindex.IndexCP.close`.
+    """
+
+    def __init__(self, message: str, *, rank: int, peer: int, call: int, phase: str) -> None:
+        super().__init__(message)
+        self.rank, self.peer, self.call, self.phase = rank, peer, call, phase
+
+
+class BadBlockTableError(CPIndexError):
+    """``block_table`` named a page outside the index cache (the score was written as NaN)."""

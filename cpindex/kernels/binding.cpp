@@ -1,0 +1,180 @@
+// binding.cpp: the torch-facing side of the kernel layer.
+//
+// Python builds a ScoreParams / PushState image once per shape (cpindex/kernels/structs.py mirrors
+// launch.h and checks every offset against params_layout() at load); each call only patches the
+// pointers that change (queries, cache, block table, lengths) and launches. Peer memory
+// allocation and IPC handles live here too: on ROCm torch's allocator cannot give the uncached
+// (fine-grained) memory that cross-GPU flags need, so one small path serves both vendors.
+#include <torch/extension.h>
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <cstddef>
+#include <cstring>
+#include <string>
+
+#include "launch.h"
+
+namespace {
+
+#define CP_CHECK_RT(expr)                                                                  \
+  do {                                                                                     \
+    auto _e = (expr);                                                                      \
+    TORCH_CHECK(_e == cudaSuccess, #expr " failed: ", cudaGetErrorString(_e), " at ",      \
+                __FILE__, ":", __LINE__);                                                  \
+  } while (0)
+
+using cpindex::PushState;
+using cpindex::ScoreParams;
+
+void score(const torch::Tensor& q, const torch::Tensor& kv, const c10::optional<torch::Tensor>& ks,
+           const torch::Tensor& block_table, const torch::Tensor& seq_lens,
+           const torch::Tensor& params_image, const c10::optional<torch::Tensor>& push_image,
+           int64_t format, int64_t grid) {
+  // Validation happened once, in Python (cpindex/validation.py); these are cheap invariants.
+  TORCH_CHECK(params_image.numel() == (int64_t)sizeof(ScoreParams), "ScoreParams image size");
+  ScoreParams p;
+  std::memcpy(&p, params_image.data_ptr(), sizeof p);
+  const auto* kv_bytes = static_cast<const uint8_t*>(kv.data_ptr());
+  p.kv = kv_bytes;
+  p.kv_page_stride = kv.stride(0) * kv.element_size();
+  p.num_pages = kv.size(0);
+  if (ks.has_value()) {  // nvfp4 as the public (packed, scales) pair
+    p.ks = static_cast<const uint8_t*>(ks->data_ptr());
+    p.ks_page_stride = ks->stride(0) * ks->element_size();
+  } else {  // nvfp4 product layout: scales follow the 8192 value bytes of each page
+    p.ks = kv_bytes + 8192;
+    p.ks_page_stride = p.kv_page_stride;
+  }
+  p.block_table = block_table.data_ptr<int32_t>();
+  p.bt_row_stride = block_table.stride(0);
+  p.seq_lens = seq_lens.data_ptr<int32_t>();
+
+  const c10::cuda::CUDAGuard guard(q.device());
+  void* stream = at::cuda::getCurrentCUDAStream().stream();
+  int rc;
+  if (push_image.has_value()) {
+    TORCH_CHECK(push_image->numel() == (int64_t)sizeof(PushState), "PushState image size");
+    PushState ps;
+    std::memcpy(&ps, push_image->data_ptr(), sizeof ps);
+    ps.q_src = static_cast<const uint8_t*>(q.data_ptr());
+    ps.q_bytes = q.numel() * q.element_size();
+    rc = cpindex::launch_score(p, &ps, (int)format, (int)grid, stream);
+  } else {
+    p.q = static_cast<const uint8_t*>(q.data_ptr());
+    rc = cpindex::launch_score(p, nullptr, (int)format, (int)grid, stream);
+  }
+  TORCH_CHECK(rc == 0, "cpindex score kernel launch failed: ",
+              cudaGetErrorString(static_cast<cudaError_t>(rc)));
+}
+
+int64_t occupancy(int64_t format, bool push) {
+  int ctas = 0;
+  CP_CHECK_RT(static_cast<cudaError_t>(cpindex::score_occupancy((int)format, push, &ctas)));
+  return ctas;
+}
+
+// Device ticks of the kernel's timeout clock per second (globaltimer ns on CUDA, the constant
+// wall clock on ROCm).
+double clock_ticks_per_second(int64_t device) {
+#ifdef USE_ROCM
+  int khz = 0;
+  CP_CHECK_RT(hipDeviceGetAttribute(&khz, hipDeviceAttributeWallClockRate, (int)device));
+  return 1e3 * khz;
+#else
+  (void)device;
+  return 1e9;
+#endif
+}
+
+// ---- peer memory --------------------------------------------------------------------------------
+int64_t peer_malloc(int64_t bytes, int64_t device) {
+  const c10::cuda::CUDAGuard guard((c10::DeviceIndex)device);
+  void* ptr = nullptr;
+#ifdef USE_ROCM
+  // Uncached (fine-grained) so peers' stores and flags are seen without cache maintenance.
+  CP_CHECK_RT(hipExtMallocWithFlags(&ptr, (size_t)bytes, hipDeviceMallocUncached));
+#else
+  CP_CHECK_RT(cudaMalloc(&ptr, (size_t)bytes));
+#endif
+  CP_CHECK_RT(cudaMemset(ptr, 0, (size_t)bytes));
+  CP_CHECK_RT(cudaDeviceSynchronize());
+  return reinterpret_cast<int64_t>(ptr);
+}
+
+void peer_free(int64_t ptr, int64_t device) {
+  const c10::cuda::CUDAGuard guard((c10::DeviceIndex)device);
+  CP_CHECK_RT(cudaFree(reinterpret_cast<void*>(ptr)));
+}
+
+py::bytes ipc_handle(int64_t ptr, int64_t device) {
+  const c10::cuda::CUDAGuard guard((c10::DeviceIndex)device);
+  cudaIpcMemHandle_t h;
+  CP_CHECK_RT(cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(ptr)));
+  return py::bytes(reinterpret_cast<const char*>(&h), sizeof h);
+}
+
+int64_t ipc_open(const std::string& handle, int64_t device) {
+  TORCH_CHECK(handle.size() == sizeof(cudaIpcMemHandle_t), "bad IPC handle size");
+  const c10::cuda::CUDAGuard guard((c10::DeviceIndex)device);
+  cudaIpcMemHandle_t h;
+  std::memcpy(&h, handle.data(), sizeof h);
+  void* ptr = nullptr;
+  CP_CHECK_RT(cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess));
+  return reinterpret_cast<int64_t>(ptr);
+}
+
+void ipc_close(int64_t ptr, int64_t device) {
+  const c10::cuda::CUDAGuard guard((c10::DeviceIndex)device);
+  CP_CHECK_RT(cudaIpcCloseMemHandle(reinterpret_cast<void*>(ptr)));
+}
+
+bool can_access_peer(int64_t device, int64_t peer) {
+  int ok = 0;
+  CP_CHECK_RT(cudaDeviceCanAccessPeer(&ok, (int)device, (int)peer));
+  return ok != 0;
+}
+
+// Device address of pinned host memory (error words the host polls without a sync).
+int64_t host_device_pointer(int64_t host_ptr) {
+  void* dev = nullptr;
+  CP_CHECK_RT(cudaHostGetDevicePointer(&dev, reinterpret_cast<void*>(host_ptr), 0));
+  return reinterpret_cast<int64_t>(dev);
+}
+
+py::dict params_layout() {
+  py::dict d;
+#define CP_FIELD(S, f) d[#S "." #f] = (int64_t)offsetof(S, f)
+  CP_FIELD(ScoreParams, kv); CP_FIELD(ScoreParams, ks); CP_FIELD(ScoreParams, num_pages);
+  CP_FIELD(ScoreParams, q); CP_FIELD(ScoreParams, q_heads_per_src);
+  CP_FIELD(ScoreParams, block_table); CP_FIELD(ScoreParams, seq_lens);
+  CP_FIELD(ScoreParams, rows); CP_FIELD(ScoreParams, scale); CP_FIELD(ScoreParams, dst);
+  CP_FIELD(ScoreParams, dst_copies); CP_FIELD(ScoreParams, out_row_stride);
+  CP_FIELD(ScoreParams, err); CP_FIELD(ScoreParams, err_host);
+  CP_FIELD(PushState, calls); CP_FIELD(PushState, peer_q_slot); CP_FIELD(PushState, peer_q_flag);
+  CP_FIELD(PushState, peer_s_flag); CP_FIELD(PushState, q_src); CP_FIELD(PushState, q_bytes);
+  CP_FIELD(PushState, timeout_ticks);
+#undef CP_FIELD
+  d["sizeof.ScoreParams"] = (int64_t)sizeof(ScoreParams);
+  d["sizeof.PushState"] = (int64_t)sizeof(PushState);
+  d["sizeof.ErrorWord"] = (int64_t)sizeof(cpindex::ErrorWord);
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "cpindex fused block-scoring kernel (see cpindex/kernels/launch.h)";
+  m.def("score", &score);
+  m.def("occupancy", &occupancy);
+  m.def("clock_ticks_per_second", &clock_ticks_per_second);
+  m.def("peer_malloc", &peer_malloc);
+  m.def("peer_free", &peer_free);
+  m.def("ipc_handle", &ipc_handle);
+  m.def("ipc_open", &ipc_open);
+  m.def("ipc_close", &ipc_close);
+  m.def("can_access_peer", &can_access_peer);
+  m.def("host_device_pointer", &host_device_pointer);
+  m.def("params_layout", &params_layout);
+}

@@ -1,0 +1,210 @@
+// compat.h: the few vendor-specific pieces of the scoring kernel, for HIP (AMD) and CUDA (NVIDIA).
+//
+// The kernel body (score.hip) is written once against these names. Everything here is device
+// code or plain types: no torch, no host runtime calls beyond the launch API.
+#pragma once
+
+#include <stdint.h>
+
+#if defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC__) || defined(__HIP__)
+#define CP_HIP 1
+#include <hip/hip_runtime.h>
+#else
+#define CP_CUDA 1
+#include <cuda_runtime.h>
+#endif
+
+// ---- warp geometry -----------------------------------------------------------------------------
+#if defined(CP_HIP)
+// gfx9 (MI300/MI355) runs wave64. Newer clang dropped the predefined macro on some paths, so the
+// compile gate defines it; wave32 AMD parts are not a target of this kernel.
+#ifndef __AMDGCN_WAVEFRONT_SIZE
+#define __AMDGCN_WAVEFRONT_SIZE 64
+#endif
+#define CP_WARP __AMDGCN_WAVEFRONT_SIZE
+typedef uint64_t cp_lanemask_t;
+#else
+#define CP_WARP 32
+typedef uint32_t cp_lanemask_t;
+#endif
+
+// The tensor-core path (mma.sync m16n8k16, sm_80+) is CUDA only. The portable path computes the
+// same fragments with scalar fp32 FMAs; -DCP_PORTABLE=1 forces it on CUDA so the code AMD runs is
+// exercised on the H200 too.
+#if defined(CP_CUDA) && !defined(CP_PORTABLE) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define CP_USE_MMA 1
+#else
+#define CP_USE_MMA 0
+#endif
+// Native fp8 -> f16x2 conversion (cvt.rn.f16x2.e4m3x2) exists from sm_89.
+#if defined(CP_CUDA) && !defined(CP_PORTABLE) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define CP_NATIVE_FP8 1
+#else
+#define CP_NATIVE_FP8 0
+#endif
+
+#define CP_DEVICE __device__ __forceinline__
+
+// ---- runtime names used by the launcher ----------------------------------------------------------
+#if defined(CP_HIP)
+typedef hipStream_t cp_stream_t;
+#define cp_get_last_error hipGetLastError
+#define cp_occupancy hipOccupancyMaxActiveBlocksPerMultiprocessor
+#else
+typedef cudaStream_t cp_stream_t;
+#define cp_get_last_error cudaGetLastError
+#define cp_occupancy cudaOccupancyMaxActiveBlocksPerMultiprocessor
+#endif
+
+// ---- shuffles ----------------------------------------------------------------------------------
+CP_DEVICE float cp_shfl_xor(float v, int mask) {
+#if defined(CP_HIP)
+  return __shfl_xor(v, mask, CP_WARP);
+#else
+  return __shfl_xor_sync(0xffffffffu, v, mask, CP_WARP);
+#endif
+}
+
+CP_DEVICE void cp_syncwarp() {
+#if defined(CP_HIP)
+  __builtin_amdgcn_wave_barrier();
+  __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");
+#else
+  __syncwarp();
+#endif
+}
+
+// ---- loads -------------------------------------------------------------------------------------
+// Key pages are streamed once per call: read-only, no reuse, 16 bytes per lane.
+CP_DEVICE uint4 cp_load_stream16(const void* p) {
+#if defined(CP_HIP)
+  typedef uint32_t u32x4 __attribute__((ext_vector_type(4)));
+  const u32x4 v = __builtin_nontemporal_load(reinterpret_cast<const u32x4*>(p));
+  return make_uint4(v.x, v.y, v.z, v.w);
+#else
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+#endif
+}
+
+// ---- system-scope synchronisation (flags live in peer-mapped memory) ---------------------------
+CP_DEVICE uint64_t cp_load_acquire_sys(const uint64_t* p) {
+#if defined(CP_HIP)
+  return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM);
+#else
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+#endif
+}
+
+CP_DEVICE void cp_store_release_sys(uint64_t* p, uint64_t v) {
+#if defined(CP_HIP)
+  __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);
+#else
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+#endif
+}
+
+CP_DEVICE uint32_t cp_load_relaxed_sys(const uint32_t* p) {
+#if defined(CP_HIP)
+  return __hip_atomic_load(p, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+#else
+  uint32_t v;
+  asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+#endif
+}
+
+CP_DEVICE void cp_fence_sys() { __threadfence_system(); }
+
+// Nanosecond-ish wall clock for timeouts. CUDA: %globaltimer (ns). AMD: the constant-rate
+// realtime counter (100 MHz on gfx942/gfx950); the host converts the timeout into these ticks.
+CP_DEVICE uint64_t cp_clock_ticks() {
+#if defined(CP_HIP)
+  return wall_clock64();
+#else
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+#endif
+}
+
+CP_DEVICE void cp_backoff() {
+#if defined(CP_HIP)
+  __builtin_amdgcn_s_sleep(2);
+#else
+  __nanosleep(64);
+#endif
+}
+
+// ---- packed 16-bit math ------------------------------------------------------------------------
+// f16x2 and bf16x2 travel as raw 32-bit words; only these helpers look inside them.
+CP_DEVICE float cp_f16_lo(uint32_t w) {
+#if defined(CP_HIP)
+  _Float16 h = __builtin_bit_cast(_Float16, (uint16_t)(w & 0xffffu));
+  return (float)h;
+#else
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)(w & 0xffffu)));
+  return f;
+#endif
+}
+CP_DEVICE float cp_f16_hi(uint32_t w) {
+#if defined(CP_HIP)
+  _Float16 h = __builtin_bit_cast(_Float16, (uint16_t)(w >> 16));
+  return (float)h;
+#else
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)(w >> 16)));
+  return f;
+#endif
+}
+CP_DEVICE float cp_bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
+CP_DEVICE float cp_bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+
+// Elementwise product of two f16x2 words (exact for the fp4 x fp8-scale products we form).
+CP_DEVICE uint32_t cp_hmul2(uint32_t a, uint32_t b) {
+#if defined(CP_HIP)
+  typedef _Float16 h2 __attribute__((ext_vector_type(2)));
+  h2 x = __builtin_bit_cast(h2, a), y = __builtin_bit_cast(h2, b);
+  return __builtin_bit_cast(uint32_t, x * y);
+#else
+  uint32_t d;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+#endif
+}
+
+// ---- fp8 (e4m3) and fp4 (e2m1) to f16 ----------------------------------------------------------
+// Two e4m3 bytes (low byte = first element) -> f16x2, times CP_FP8_UNIT.
+#if CP_NATIVE_FP8
+#define CP_FP8_UNIT 1.0f
+CP_DEVICE uint32_t cp_e4m3x2_to_f16x2(uint32_t two_bytes) {
+  uint32_t d;
+  asm("{.reg .b16 t; cvt.u16.u32 t, %1; cvt.rn.f16x2.e4m3x2 %0, t;}" : "=r"(d) : "r"(two_bytes));
+  return d;
+}
+#else
+// Portable: put the 7 magnitude bits of e4m3 into f16's exponent/mantissa at bits 7..13. That is
+// the same number scaled by 2^-8 for normals and subnormals alike (both formats' subnormal steps
+// line up), so the result is exact; the kernel folds 2^8 into its final scale. Never NaN: the
+// cache holds finite values only (quantize rejects non-finite input).
+#define CP_FP8_UNIT (1.0f / 256.0f)
+CP_DEVICE uint32_t cp_e4m3x2_to_f16x2(uint32_t two_bytes) {
+  uint32_t x = (two_bytes & 0xffu) | ((two_bytes & 0xff00u) << 8);
+  return ((x & 0x00800080u) << 8) | ((x & 0x007f007fu) << 7);
+}
+#endif
+
+// One byte of two e2m1 nibbles (low nibble = even element) -> f16x2 scaled by 2^-14: the 3
+// magnitude bits land in f16's exponent/mantissa at bits 9..11, which maps every e2m1 value,
+// the subnormal 0.5 included, to value * 2^-14 exactly.
+#define CP_FP4_UNIT (1.0f / 16384.0f)
+CP_DEVICE uint32_t cp_e2m1x2_to_f16x2(uint32_t byte) {
+  uint32_t y = (byte & 0xfu) | ((byte & 0xf0u) << 12);
+  return ((y & 0x00070007u) << 9) | ((y & 0x00080008u) << 12);
+}

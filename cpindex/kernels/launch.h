@@ -1,0 +1,92 @@
+// launch.h: the torch-free interface of the scoring kernel: one parameter struct, one launcher.
+//
+// Python owns every buffer; this layer only receives raw pointers, integers and a stream, so the
+// kernel source compiles on its own (see .ci/compile-kernels).
+#pragma once
+
+#include <stdint.h>
+
+namespace cpindex {
+
+constexpr int kMaxHeads = 8;   // one mma.n8 column per head
+constexpr int kMaxWorld = 16;  // peers one push kernel can address
+constexpr int kMaxDst = 16;    // head destinations: max(num_heads, world) with replication
+constexpr int kPageTokens = 128;
+constexpr int kHeadDim = 128;
+constexpr int kWarpsPerCta = 4;
+
+enum CacheFormat : int { kBF16 = 0, kFP8 = 1, kNVFP4 = 2 };
+
+// Error codes written to ErrorWord::code (0 = fine). Shared with cpindex/kernels/errors.py.
+enum ErrorCode : uint32_t {
+  kErrNone = 0,
+  kErrTimeoutQueries = 1,  // waited too long for a peer's query rows
+  kErrTimeoutScores = 2,   // waited too long for a peer's scores
+  kErrBadPage = 3,         // block_table held a page index outside the cache
+};
+
+// Lives in host-mapped pinned memory so the host reads it without a device sync.
+struct ErrorWord {
+  uint32_t code;
+  uint32_t rank;  // who noticed
+  uint32_t peer;  // who was late (or the row, for kErrBadPage)
+  uint32_t claim; // first writer wins
+  uint64_t call;  // the call count that failed (1-based)
+  uint64_t detail;
+};
+static_assert(sizeof(ErrorWord) == 32, "ErrorWord layout is shared with Python");
+
+// Per-rank handshake state in peer-visible memory (see docs/design.md).
+struct PushState {
+  uint64_t* calls;     // local, [1]: completed calls; advanced by the kernel
+  uint32_t* ticket;    // local, [1]: CTAs finished in this call; reset by the last one
+  uint64_t* q_flags;   // local, [world]: slot p = last call whose queries rank p delivered here
+  uint64_t* s_flags;   // local, [world]: slot p = last call whose scores rank p delivered here
+  uint8_t* peer_q_slot[kMaxWorld];    // where my query rows go in rank p's query buffer
+  uint64_t* peer_q_flag[kMaxWorld];   // &q_flags[my rank] on rank p
+  uint64_t* peer_s_flag[kMaxWorld];   // &s_flags[my rank] on rank p
+  const uint8_t* q_src;               // my query rows, [rows, q_src_bytes_per_row] contiguous
+  int64_t q_bytes;                    // rows * heads_per_rank * 128 * elem size
+  uint64_t timeout_ticks;
+};
+
+struct ScoreParams {
+  // keys: page p's values at kv + p * kv_page_stride; nvfp4 scales at ks + p * ks_page_stride
+  const uint8_t* kv;
+  const uint8_t* ks;
+  int64_t kv_page_stride;
+  int64_t ks_page_stride;
+  int64_t num_pages;
+  // queries: head h of row i at q + (h / q_heads_per_src) * q_src_stride + i * q_row_stride
+  //          + (h % q_heads_per_src) * 128 * elem, in bytes
+  const uint8_t* q;
+  int64_t q_src_stride;
+  int64_t q_row_stride;
+  int q_heads_per_src;
+  // block table and lengths (int32)
+  const int32_t* block_table;
+  int64_t bt_row_stride;
+  const int32_t* seq_lens;
+  // problem
+  int rows, width, num_heads, rank, world, init_blocks, local_blocks;
+  float scale;  // sm_scale, before the format's unit correction
+  // output: head h, copy c -> dst[h * dst_copies + c] + row * out_row_stride + column,
+  // column = j (full layout) or k = (j - rank) / world (shard layout)
+  float* dst[kMaxDst];
+  int dst_copies;
+  int shard_columns;
+  int64_t out_row_stride;
+  ErrorWord* err;       // device memory: checked by every CTA at start
+  ErrorWord* err_host;  // host-mapped mirror the host polls without a sync (may be null)
+};
+
+// Launches one scoring call. push == nullptr: local mode (scores into dst, no handshake).
+// Otherwise push mode: deliver queries, wait for peers', score, push, signal, wait.
+// Returns 0 or a cudaError_t/hipError_t value.
+int launch_score(const ScoreParams& p, const PushState* push, int format, int grid,
+                 void* stream);
+
+// CTAs per SM the kernel reaches (for the persistent-grid cap).
+int score_occupancy(int format, bool push, int* ctas_per_sm);
+
+}  // namespace cpindex

@@ -1,0 +1,104 @@
+"""The pure-torch oracle of SPEC section 3: every other path is tested against it.
+
+Written to be obviously right: dequantize the pages a row uses, compute every dot product in
+float64, mask tokens at or past the row's causal length, take the max per block, then apply the
+forcing rules in the order the SPEC states them. Rows are processed in chunks so 64 rows x 32K
+tokens stays within a few hundred MB on a CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import formats
+
+FORCED_LOCAL = 1e29
+FORCED_INIT = 1e30
+_CHUNK_ELEMS = 1 << 25  # keys of one chunk, in elements (256 MB of float64)
+
+
+def _page_keys(index_cache: formats.Cache, fmt: str, pages: torch.Tensor) -> torch.Tensor:
+    """Keys of the given pages as float64 ``[len(pages), 128, 128]``."""
+    if fmt == "nvfp4" and isinstance(index_cache, tuple):
+        sel: formats.Cache = (index_cache[0][pages], index_cache[1][pages])
+    else:
+        sel = index_cache[pages]  # type: ignore[index]
+    return formats.dequantize(sel, fmt).double()
+
+
+def block_scores(
+    q: torch.Tensor,
+    index_cache: formats.Cache,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    init_blocks: int,
+    local_blocks: int,
+    width: int,
+    sm_scale: float = 128**-0.5,
+    columns: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Scores of every head over blocks ``columns`` (default: all ``width`` columns).
+
+    Args:
+        q: ``[rows, H, 128]`` (or ``[rows, 128]``) queries, bf16 / fp8 e4m3 / float.
+        index_cache: a cache in any layout :func:`cpindex.formats.detect_format` accepts.
+        block_table: int ``[rows, max_blocks]``; row i's block j is page ``block_table[i, j]``.
+        seq_lens: int ``[rows]`` causal lengths (own token included).
+        init_blocks, local_blocks: forced-selection counts.
+        width: number of score columns.
+        sm_scale: positive scale applied to every dot product.
+        columns: optional int ``[C]`` subset of ``range(width)`` to compute.
+
+    Returns:
+        float32 ``[H, rows, C]`` on ``q``'s device: ``-inf`` past the context, ``1e29`` for
+        local blocks, ``1e30`` for init blocks, else the max scaled dot product over the
+        block's tokens before ``seq_lens[i]``.
+    """
+    fmt = formats.detect_format(index_cache)
+    qf = q.double() if q.dim() == 3 else q.double().unsqueeze(1)
+    rows, heads, dim = qf.shape
+    device = qf.device
+    cols = torch.arange(width) if columns is None else columns.to(torch.int64).cpu()
+    n_cols = cols.numel()
+    lens = seq_lens.to(torch.int64).cpu()
+    table = block_table.to(torch.int64).cpu()
+    n_blocks = (lens + formats.PAGE_TOKENS - 1) // formats.PAGE_TOKENS
+    out = torch.full((heads, rows, n_cols), float("-inf"), dtype=torch.float64)
+
+    # Only blocks that are neither forced nor past the context are scanned.
+    j = cols.unsqueeze(0).expand(rows, n_cols)
+    n = n_blocks.unsqueeze(1)
+    scanned = (j < n - local_blocks) & (j >= init_blocks)
+    tok = torch.arange(formats.PAGE_TOKENS)
+    per_chunk = max(1, _CHUNK_ELEMS // max(1, n_cols * formats.PAGE_TOKENS * dim))
+    for r0 in range(0, rows, per_chunk):
+        r1 = min(rows, r0 + per_chunk)
+        ri, ci = scanned[r0:r1].nonzero(as_tuple=True)
+        if ri.numel() == 0:
+            continue
+        ri = ri + r0
+        jj = cols[ci]
+        keys = _page_keys(index_cache, fmt, table[ri, jj].to(device))  # [S, 128 tok, 128]
+        dots = torch.einsum("shd,std->sht", qf[ri.to(device)], keys)  # [S, H, 128 tok]
+        valid = (jj.unsqueeze(1) * formats.PAGE_TOKENS + tok) < lens[ri].unsqueeze(1)
+        dots = dots.masked_fill(~valid.to(device).unsqueeze(1), float("-inf"))
+        out[:, ri, ci] = (dots.amax(dim=2) * sm_scale).T.cpu()
+
+    # Forcing, in the SPEC's order: local blocks are tested first, then init blocks.
+    init = (j < init_blocks) & (j < n)
+    local = (j >= n - local_blocks) & (j < n)
+    out[:, init] = FORCED_INIT
+    out[:, local] = FORCED_LOCAL
+    out[:, j >= n] = float("-inf")
+    return out.float().to(device)
+
+
+def topk_blocks(scores: torch.Tensor, k: int = 16) -> torch.Tensor:
+    """The selection the scores feed: indices of the ``k`` best columns per head and row,
+    sorted ascending; ``-1`` where fewer than ``k`` columns are inside the context."""
+    k_eff = min(k, scores.shape[-1])
+    vals, idx = scores.topk(k_eff, dim=-1)
+    idx = torch.where(vals == float("-inf"), torch.full_like(idx, -1), idx)
+    idx, _ = idx.sort(dim=-1)
+    return idx

@@ -1,0 +1,93 @@
+"""Random decode problems for tests, the demo and the benchmark (never zeros: real data only).
+
+Pages are scattered: every row's blocks map to a random permutation of the cache's pages, so a
+kernel that assumed contiguous or ordered pages fails.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import formats, partition
+
+
+@dataclass
+class Problem:
+    """One decode step: all heads' queries and the shared cache."""
+
+    q: torch.Tensor  # [rows, H, 128] in the format's query dtype
+    index_cache: formats.Cache
+    block_table: torch.Tensor  # int32 [rows, max_blocks]
+    seq_lens: torch.Tensor  # int32 [rows]
+    width: int
+    fmt: str
+
+    @property
+    def rows(self) -> int:
+        return self.q.shape[0]
+
+    def rank_queries(self, rank: int, world: int) -> torch.Tensor:
+        """What rank ``rank`` passes to ``score_push``: its heads' rows ``[rows, hpr, 128]``."""
+        heads = partition.heads_of_rank(rank, self.q.shape[1], world)
+        return self.q[:, heads].contiguous()
+
+    def to(self, device: torch.device | str) -> Problem:
+        cache = self.index_cache
+        moved = (
+            tuple(t.to(device) for t in cache) if isinstance(cache, tuple) else cache.to(device)
+        )
+        return Problem(
+            self.q.to(device),
+            moved,  # type: ignore[arg-type]
+            self.block_table.to(device),
+            self.seq_lens.to(device),
+            self.width,
+            self.fmt,
+        )
+
+
+def random_lengths(
+    rows: int, max_len: int, generator: torch.Generator, *, min_len: int = 1
+) -> torch.Tensor:
+    """Ragged lengths in ``[min_len, max_len]``, always including ``max_len`` (and 1 if rows > 2)."""
+    lens = torch.randint(min_len, max_len + 1, (rows,), generator=generator)
+    lens[0] = max_len
+    if rows > 2:
+        lens[1] = min_len
+    return lens.to(torch.int32)
+
+
+def make_problem(
+    rows: int,
+    max_len: int,
+    fmt: str = "nvfp4",
+    *,
+    num_heads: int = 4,
+    seed: int = 0,
+    lengths: torch.Tensor | None = None,
+    width: int | None = None,
+    nvfp4_pair: bool = False,
+    spare_pages: int = 3,
+    device: torch.device | str = "cpu",
+) -> Problem:
+    """A random problem whose rows have ragged causal lengths up to ``max_len`` tokens.
+
+    Keys are RMS-normed like MiniMax-M3's index keys, queries are O(1); both are quantized to
+    ``fmt``. ``width`` defaults to the blocks the longest row needs.
+    """
+    g = torch.Generator().manual_seed(seed)
+    lens = random_lengths(rows, max_len, g) if lengths is None else lengths.to(torch.int32).cpu()
+    max_blocks = max(1, -(-int(lens.max()) // formats.PAGE_TOKENS))
+    pages = rows * max_blocks + spare_pages
+    keys = torch.randn(pages, formats.PAGE_TOKENS, formats.HEAD_DIM, generator=g)
+    keys = keys / keys.pow(2).mean(-1, keepdim=True).sqrt()
+    cache: formats.Cache = formats.quantize(keys, fmt)
+    if nvfp4_pair:
+        cache = formats.to_nvfp4_pair(cache)
+    table = torch.randperm(pages, generator=g)[: rows * max_blocks].view(rows, max_blocks)
+    q = torch.randn(rows, num_heads, formats.HEAD_DIM, generator=g) * 2.0
+    q = q.to(formats.query_dtype(fmt))
+    prob = Problem(q, cache, table.to(torch.int32), lens, width or max_blocks, fmt)
+    return prob.to(device)

@@ -1,0 +1,302 @@
+"""Tests for cpindex.formats (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cpindex import formats as F
+
+GRID = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def _keys(pages: int = 3, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(pages, 128, 128, generator=g) * scale
+
+
+def _random_pair(pages: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random nibbles and random finite e4m3 scale bytes (0x7F/0xFF are NaN)."""
+    g = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (pages, 128, 64), generator=g, dtype=torch.uint8)
+    scales = torch.randint(0, 0x7F, (pages, 128, 8), generator=g, dtype=torch.uint8)
+    sign = torch.randint(0, 2, scales.shape, generator=g, dtype=torch.uint8) << 7
+    return packed, scales | sign
+
+
+def _reference_dequant(packed: torch.Tensor, scales_u8: torch.Tensor) -> torch.Tensor:
+    """Independent fp64 reference: explicit nibble split and bitwise e4m3 decode."""
+    lo = (packed & 0xF).long()
+    hi = (packed >> 4).long()
+    codes = torch.stack([lo, hi], dim=-1).flatten(-2)  # [p, 128, 128], even element = low
+    mag = torch.tensor(GRID, dtype=torch.float64)[codes & 7]
+    vals = torch.where(codes >= 8, -mag, mag)
+    s = scales_u8.long()
+    exp = (s >> 3) & 0xF
+    man = (s & 7).double()
+    smag = torch.where(exp == 0, man / 8 * 2.0**-6, (1 + man / 8) * 2.0 ** (exp - 7).double())
+    sval = torch.where(s >= 128, -smag, smag)
+    return (vals * sval.repeat_interleave(16, dim=-1)).float()
+
+
+# --------------------------------------------------------------------------- round trips
+
+
+def test_bf16_round_trip() -> None:
+    x = _keys(seed=1)
+    c = F.quantize(x, "bf16")
+    assert c.dtype == torch.bfloat16 and c.shape == (3, 128, 128)
+    assert torch.equal(F.dequantize(c, "bf16"), x.bfloat16().float())
+    assert F.detect_format(c) == "bf16" and F.check_cache(c, "bf16") == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fp8_matches_torch_cast(dtype: torch.dtype) -> None:
+    x = (_keys(seed=2) * 3).to(dtype)
+    c = F.quantize(x, "fp8")
+    assert c.dtype == torch.float8_e4m3fn and c.shape == (3, 128, 128)
+    assert torch.equal(c.view(torch.uint8), x.to(torch.float8_e4m3fn).view(torch.uint8))
+    assert torch.equal(F.dequantize(c, "fp8"), x.to(torch.float8_e4m3fn).float())
+    assert F.detect_format(c) == "fp8" and F.check_cache(c, "fp8") == 3
+
+
+def test_fp8_saturates() -> None:
+    x = _keys(pages=1, seed=3)
+    x[0, 0, :4] = torch.tensor([1000.0, -1e6, 448.0, 465.0])
+    d = F.dequantize(F.quantize(x, "fp8"), "fp8")
+    assert d[0, 0, :4].tolist() == [448.0, -448.0, 448.0, 448.0]
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_rejected(fmt: str, bad: float) -> None:
+    x = _keys(pages=1, seed=4)
+    x[0, 7, 9] = bad
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        F.quantize(x, fmt)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_nvfp4_error_bound(dtype: torch.dtype) -> None:
+    x = _keys(pages=4, seed=5, scale=2.0).to(dtype)
+    c = F.quantize(x, "nvfp4")
+    assert c.dtype == torch.uint8 and c.shape == (4, F.NVFP4_PAGE_BYTES)
+    assert F.detect_format(c) == "nvfp4" and F.check_cache(c, "nvfp4") == 4
+
+    xf = x.float()
+    groups = xf.reshape(4, 128, 8, 16)
+    expected_scale = (groups.abs().amax(-1) / 6).to(torch.float8_e4m3fn)
+    _, scales = F.to_nvfp4_pair(c)
+    assert torch.equal(scales.view(torch.uint8), expected_scale.view(torch.uint8))
+
+    s = scales.float().repeat_interleave(16, dim=-1)
+    d = F.dequantize(c, "nvfp4")
+    q = (xf / s).abs()
+    half_step = torch.where(q <= 2, 0.25, torch.where(q <= 4, 0.5, 1.0))
+    saturated = q >= 6
+    err = (d - xf).abs()
+    assert bool((err[~saturated] <= (half_step * s)[~saturated] * (1 + 1e-6)).all())
+    assert torch.equal(d[saturated], (torch.sign(xf) * 6 * s)[saturated])
+    # every group's amax element lands on or near 6*scale, so the grid is actually used
+    assert (d.abs().reshape(4, 128, 8, 16).amax(-1) > 0).all()
+
+
+def test_e2m1_encode_matches_brute_force() -> None:
+    x = torch.arange(-8 * 32, 8 * 32 + 1, dtype=torch.float32) / 32  # includes every tie
+    grid = torch.tensor(GRID + [-v for v in GRID])
+    dist = (x[:, None] - grid[None, :]).abs()
+    expected = []
+    for i in range(x.numel()):
+        best = dist[i].min()
+        codes = [c for c in range(16) if dist[i, c] == best]
+        even = [c for c in codes if c % 2 == 0] or codes  # ties to even mantissa
+        code = min(even, key=lambda c: c & 7)  # +-0 collapse to +0
+        expected.append(code & 7 if float(grid[code]) == 0 else code)
+    assert F.e2m1_encode(x).tolist() == expected
+    assert torch.equal(F.e2m1_decode(F.e2m1_encode(x)), grid[torch.tensor(expected)])
+
+
+def test_e2m1_edge_values() -> None:
+    x = torch.tensor([0.0, -0.0, 6.0, -6.0, 0.5, -0.5, 7.0, -100.0, 0.25, 0.75])
+    codes = F.e2m1_encode(x)
+    assert codes.tolist() == [0, 0, 7, 15, 1, 9, 7, 15, 0, 2]
+    assert F.e2m1_decode(codes).tolist() == [0.0, 0.0, 6.0, -6.0, 0.5, -0.5, 6.0, -6.0, 0.0, 1.0]
+
+
+# --------------------------------------------------------------------------- exact / edge cases
+
+
+def test_pair_exact_dequant_and_round_trip() -> None:
+    packed, scales_u8 = _random_pair(pages=3, seed=6)
+    ref = _reference_dequant(packed, scales_u8)
+    for scales in (scales_u8, scales_u8.view(torch.float8_e4m3fn)):
+        c = F.from_nvfp4_pair(packed, scales)
+        assert c.shape == (3, F.NVFP4_PAGE_BYTES) and c.dtype == torch.uint8
+        assert torch.equal(F.dequantize(c, "nvfp4"), ref)
+        assert torch.equal(F.dequantize((packed, scales), "nvfp4"), ref)
+        p2, s2 = F.to_nvfp4_pair(c)
+        assert s2.dtype == torch.float8_e4m3fn and p2.is_contiguous() and s2.is_contiguous()
+        assert torch.equal(p2, packed) and torch.equal(s2.view(torch.uint8), scales_u8)
+        # the byte layout: values page-major/token-major, then scales
+        flat = c.reshape(3, -1)
+        assert torch.equal(flat[:, : F.NVFP4_VALUE_BYTES], packed.reshape(3, -1))
+        assert torch.equal(flat[:, F.NVFP4_VALUE_BYTES :], scales_u8.reshape(3, -1))
+
+
+def test_quantize_exact_on_grid() -> None:
+    """Values already representable come back bit-exact, and re-quantize to the same bytes."""
+    g = torch.Generator().manual_seed(7)
+    codes = torch.randint(0, 16, (2, 128, 128), generator=g, dtype=torch.uint8)
+    codes[..., ::16] = 7  # each group holds +6, so amax/6 == scale exactly
+    scale_bytes = torch.randint(0x08, 0x7F, (2, 128, 8), generator=g, dtype=torch.uint8)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    c = F.from_nvfp4_pair(packed, scale_bytes)
+    d = F.dequantize(c, "nvfp4")
+    assert torch.equal(d, _reference_dequant(packed, scale_bytes))
+    c2 = F.quantize(d, "nvfp4")
+    assert torch.equal(F.dequantize(c2, "nvfp4"), d)
+    v_ref, s_ref = F.nvfp4_views(c)
+    v2, s2 = F.nvfp4_views(c2)
+    assert torch.equal(s2, s_ref)
+
+    def nibbles(v: torch.Tensor) -> torch.Tensor:  # -0 (code 8) may be re-encoded as +0
+        n = torch.stack([v & 0xF, v >> 4])
+        return torch.where(n == 8, 0, n)
+
+    assert torch.equal(nibbles(v2), nibbles(v_ref))
+
+
+def test_byte_placement() -> None:
+    x = torch.zeros(2, 128, 128)
+    x[1, 5, 0] = 1.0  # even element -> low nibble, code 2
+    x[1, 5, 1] = -6.0  # odd element -> high nibble, code 15; group 0 scale = 1.0
+    x[1, 5, 127] = 0.5  # group 7: scale e4m3(0.5/6), value saturates near 6
+    c = F.quantize(x, "nvfp4")
+    assert c[1, 64 * 5].item() == 0xF2
+    assert c[1, 8192 + 8 * 5].item() == 0x38  # e4m3(1.0)
+    s7 = torch.tensor(0.5 / 6).to(torch.float8_e4m3fn)
+    assert c[1, 8192 + 8 * 5 + 7].item() == s7.view(torch.uint8).item()
+    nz = c.nonzero().tolist()
+    assert nz == [[1, 320], [1, 383], [1, 8232], [1, 8239]]
+
+
+def test_nvfp4_scale_edges() -> None:
+    x = _keys(pages=1, seed=8)
+    x[0, 0, 0:16] = 0.0  # all-zero group
+    x[0, 1, 0:16] = torch.tensor(GRID * 2) * 448  # largest scale, exact
+    x[0, 1, 16:32] = -x[0, 1, 0:16]
+    x[0, 2, 0:16] = torch.tensor(GRID * 2) * 2.0**-9  # smallest subnormal scale, exact
+    x[0, 3, 0:16] = 1e5  # beyond 6*448: scale clamps to 448, values saturate
+    x[0, 4, 0:16] = 6.375  # amax/6 = 1.0625 rounds (tie, even) to scale 1.0 -> saturation
+    x[0, 4, 0] = -6.375
+    x[0, 5, 0:16] = 1e-6  # amax/6 underflows e4m3: smallest scale kept, values round to 0
+    c = F.quantize(x, "nvfp4")
+    d = F.dequantize(c, "nvfp4")
+    _, s = F.to_nvfp4_pair(c)
+    s = s.float()
+
+    assert s[0, 0, 0] == 0 and bool((d[0, 0, 0:16] == 0).all())
+    assert bool((c[0, 0:8] == 0).all()) and c[0, 8192].item() == 0
+    assert s[0, 0, 1] > 0  # neighbouring group unaffected
+    assert s[0, 1, 0] == 448 and s[0, 1, 1] == 448
+    assert torch.equal(d[0, 1, 0:32], x[0, 1, 0:32])
+    assert s[0, 2, 0] == 2.0**-9 and torch.equal(d[0, 2, 0:16], x[0, 2, 0:16])
+    assert s[0, 3, 0] == 448 and bool((d[0, 3, 0:16] == 6 * 448).all())
+    assert s[0, 4, 0] == 1.0 and d[0, 4, 0] == -6.0 and bool((d[0, 4, 1:16] == 6.0).all())
+    assert s[0, 5, 0] == 2.0**-9 and bool((d[0, 5, 0:16] == 0).all())
+
+
+# --------------------------------------------------------------------------- layouts / views
+
+
+def test_views_are_zero_copy() -> None:
+    c = F.quantize(_keys(pages=2, seed=9), "nvfp4")
+    v, s = F.nvfp4_views(c)
+    assert v.shape == (2, 128, 64) and s.shape == (2, 128, 8)
+    assert v.dtype == s.dtype == torch.uint8
+    assert v.untyped_storage().data_ptr() == c.untyped_storage().data_ptr()
+    assert v.data_ptr() == c.data_ptr() and s.data_ptr() == c.data_ptr() + F.NVFP4_VALUE_BYTES
+    assert v.stride() == (F.NVFP4_PAGE_BYTES, 64, 1) and s.stride() == (F.NVFP4_PAGE_BYTES, 8, 1)
+    p, sc = F.to_nvfp4_pair(c)
+    assert torch.equal(v, p) and torch.equal(s, sc.view(torch.uint8))
+    v[1, 3, 2] ^= 0xFF
+    assert c[1, 3 * 64 + 2].item() == (p[1, 3, 2].item() ^ 0xFF)
+
+
+def test_pair_with_page_stride_accepted() -> None:
+    packed, scales = _random_pair(pages=6, seed=10)
+    sub_p, sub_s = packed[::2], scales[::2].view(torch.float8_e4m3fn)
+    assert not sub_p.is_contiguous()
+    assert F.detect_format((sub_p, sub_s)) == "nvfp4"
+    assert F.check_cache((sub_p, sub_s), "nvfp4") == 3
+    c = F.from_nvfp4_pair(sub_p, sub_s)
+    assert torch.equal(F.dequantize(c, "nvfp4"), F.dequantize((sub_p, sub_s), "nvfp4"))
+    assert torch.equal(F.dequantize(c, "nvfp4"), _reference_dequant(packed[::2], scales[::2]))
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_query_dtype() -> None:
+    assert F.query_dtype("bf16") == torch.bfloat16
+    assert F.query_dtype("fp8") == torch.float8_e4m3fn
+    assert F.query_dtype("nvfp4") == torch.float8_e4m3fn
+    with pytest.raises(ValueError, match="cache_format"):
+        F.query_dtype("int4")
+
+
+def test_constants() -> None:
+    assert F.NVFP4_PAGE_BYTES == 9216 == 128 * F.BYTES_PER_TOKEN["nvfp4"]
+    assert F.NVFP4_VALUE_BYTES % 16 == 0 and F.NVFP4_PAGE_BYTES % 16 == 0
+    assert F.BYTES_PER_TOKEN == {"bf16": 256, "fp8": 128, "nvfp4": 72}
+
+
+def test_detect_format_errors() -> None:
+    with pytest.raises(TypeError, match=r"index_cache.*bfloat16.*float8_e4m3fn.*9216"):
+        F.detect_format(torch.zeros(2, 128, 128))
+    with pytest.raises(TypeError, match="index_cache"):
+        F.detect_format(torch.zeros(2, 100, dtype=torch.uint8))
+    with pytest.raises(TypeError, match="index_cache"):
+        F.detect_format([1, 2, 3])
+
+
+def test_check_cache_errors() -> None:
+    x = _keys(pages=10, seed=11)
+    bf = x.bfloat16()
+    msg = (
+        r"index_cache: expected torch\.float8_e4m3fn \[pages, 128, 128\] for cache_format "
+        r"'fp8', got torch\.bfloat16 \[10, 128, 128\]"
+    )
+    with pytest.raises(TypeError, match=msg):
+        F.check_cache(bf, "fp8")
+    with pytest.raises(ValueError, match=r"my_cache: expected torch\.bfloat16.*\[10, 128, 64\]"):
+        F.check_cache(bf[:, :, :64], "bf16", name="my_cache")
+    with pytest.raises(ValueError, match="contiguous"):
+        F.check_cache(bf.transpose(1, 2), "bf16")
+    with pytest.raises(ValueError, match=r"uint8 \[pages, 9216\]"):
+        F.check_cache(torch.zeros(2, 9000, dtype=torch.uint8), "nvfp4")
+    with pytest.raises(TypeError, match="index_cache"):
+        F.check_cache(bf, "nvfp4")
+    with pytest.raises(ValueError, match="cache_format"):
+        F.check_cache(bf, "fp4")
+
+    packed, scales = _random_pair(pages=3, seed=12)
+    with pytest.raises(ValueError, match="disagrees"):
+        F.check_cache((packed, scales[:2]), "nvfp4")
+    with pytest.raises(ValueError, match=r"packed.*\[pages, 128, 64\]"):
+        F.check_cache((packed[:, :, :32], scales), "nvfp4")
+    with pytest.raises(TypeError, match=r"scales.*float8_e4m3fn or torch\.uint8"):
+        F.check_cache((packed, scales.float()), "nvfp4")
+    with pytest.raises(ValueError, match="contiguous"):
+        F.check_cache((packed.transpose(1, 2).contiguous().transpose(1, 2), scales), "nvfp4")
+    with pytest.raises(TypeError, match="index_cache"):
+        F.from_nvfp4_pair(packed.to(torch.int8), scales)
+
+
+def test_quantize_rejects_bad_keys() -> None:
+    with pytest.raises(ValueError, match=r"\[pages, 128, 128\]"):
+        F.quantize(torch.randn(2, 128, 64), "nvfp4")
+    with pytest.raises(TypeError, match="keys"):
+        F.quantize(torch.ones(1, 128, 128, dtype=torch.int32), "fp8")
+    with pytest.raises(ValueError, match="cache_format"):
+        F.quantize(torch.randn(1, 128, 128), "int8")
