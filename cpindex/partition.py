@@ -48,3 +48,15 @@ def heads_of_rank(rank: int, num_heads: int, world: int) -> list[int]:
 def query_sources(num_heads: int, world: int) -> int:
     """Ranks whose query rows cover all heads: every rank, or the first H when replicated."""
     return min(num_heads, world)
+
+
+def scanned_blocks(
+    seq_lens: torch.Tensor, rank: int, world: int, init_blocks: int, local_blocks: int
+) -> int:
+    """Blocks rank ``rank`` must read (owned, inside the context, not forced) over all rows."""
+    n = (seq_lens.to(torch.int64).cpu() + 127) // 128
+    total = 0
+    for ni in n.tolist():
+        lo, hi = init_blocks, max(init_blocks, ni - local_blocks)
+        total += len(range(lo + (rank - lo) % world, hi, world))
+    return total

@@ -49,6 +49,7 @@ void score(const torch::Tensor& q, const torch::Tensor& kv, const c10::optional<
   }
   p.block_table = block_table.data_ptr<int32_t>();
   p.bt_row_stride = block_table.stride(0);
+  p.bt_cols = block_table.size(1);
   p.seq_lens = seq_lens.data_ptr<int32_t>();
 
   const c10::cuda::CUDAGuard guard(q.device());
@@ -148,7 +149,7 @@ py::dict params_layout() {
 #define CP_FIELD(S, f) d[#S "." #f] = (int64_t)offsetof(S, f)
   CP_FIELD(ScoreParams, kv); CP_FIELD(ScoreParams, ks); CP_FIELD(ScoreParams, num_pages);
   CP_FIELD(ScoreParams, q); CP_FIELD(ScoreParams, q_heads_per_src);
-  CP_FIELD(ScoreParams, block_table); CP_FIELD(ScoreParams, seq_lens);
+  CP_FIELD(ScoreParams, block_table); CP_FIELD(ScoreParams, bt_cols); CP_FIELD(ScoreParams, seq_lens);
   CP_FIELD(ScoreParams, rows); CP_FIELD(ScoreParams, scale); CP_FIELD(ScoreParams, dst);
   CP_FIELD(ScoreParams, dst_copies); CP_FIELD(ScoreParams, out_row_stride);
   CP_FIELD(ScoreParams, err); CP_FIELD(ScoreParams, err_host);

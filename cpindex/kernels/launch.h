@@ -66,6 +66,7 @@ struct ScoreParams {
   // block table and lengths (int32)
   const int32_t* block_table;
   int64_t bt_row_stride;
+  int64_t bt_cols;  // a row needing more blocks than this is reported, never read past
   const int32_t* seq_lens;
   // problem
   int rows, width, num_heads, rank, world, init_blocks, local_blocks;

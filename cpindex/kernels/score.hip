@@ -380,7 +380,7 @@ __global__ void __launch_bounds__(kThreads) score_kernel(const ScoreParams p, co
       } else if (j < p.init_blocks) {
         v0 = v1 = kForcedInit;
       } else {
-        const int64_t page = p.block_table[(int64_t)i * p.bt_row_stride + j];
+        const int64_t page = j < p.bt_cols ? p.block_table[(int64_t)i * p.bt_row_stride + j] : -1;
         if (page < 0 || page >= p.num_pages) {
           if (lane == 0) report(p, kErrBadPage, (uint32_t)i, call, (uint64_t)j);
           v0 = v1 = __builtin_nanf("");

@@ -1,0 +1,194 @@
+"""The public entry point: :class:`IndexCP` and the per-process ``init``/``get`` pair."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.distributed as dist
+
+from . import formats
+from .config import CPIndexConfig
+from .errors import CPIndexError
+from .transports import Context, select
+from .validation import check_call
+from .world import Comm, TorchComm
+
+
+def _default_device(comm: Comm) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class IndexCP:
+    """Context-parallel block scoring over the ranks of a group.
+
+    Construction is collective (every rank of the group, same config): the ranks agree on one
+    transport (``config.transport``; ``"auto"`` picks the fastest all ranks can run), allocate
+    and exchange buffers, and self-test. After that, every rank calls :meth:`score_push` in the
+    same sequence, on one stream at a time (a second stream or micro-batch needs its own
+    instance).
+
+    Args:
+        config: the configuration (default ``CPIndexConfig()``); ``world_size`` is bound to the
+            group's size.
+        group: a ``torch.distributed`` process group (default: the world group).
+        device: this rank's device (default: the current CUDA device, else CPU).
+        comm: instead of ``group``, an explicit :class:`cpindex.world.Comm` (the one-process
+            world of :func:`cpindex.world.run_threads` passes its ``ThreadComm`` here).
+    """
+
+    def __init__(
+        self,
+        config: CPIndexConfig | None = None,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        *,
+        comm: Comm | None = None,
+        _portable_kernel: bool = False,
+    ) -> None:
+        if config is not None and not isinstance(config, CPIndexConfig):
+            raise TypeError(f"config: expected CPIndexConfig, got {type(config).__name__}")
+        if comm is None:
+            comm = TorchComm(group)
+        elif group is not None:
+            raise ValueError("group: pass either group or comm, not both")
+        self.config = (config or CPIndexConfig()).with_world_size(comm.world_size)
+        self.device = torch.device(device) if device is not None else _default_device(comm)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.comm = comm
+        key = (self.device.type, self.device.index)
+        placements = comm.all_gather_object((key, comm.same_process))
+        sharing = sum(1 for k, same in placements if k == key and same) if key[0] == "cuda" else 1
+        self.heads_per_rank = self.config.heads_per_rank(comm.world_size)
+        ctx = Context(self.config, comm, self.device, max(1, sharing), _portable_kernel)
+        self._transport = select(ctx)
+        self._busy = threading.Lock()
+        self._closed = False
+
+    # ---- properties -----------------------------------------------------------------------
+    @property
+    def transport_name(self) -> str:
+        """The transport in use (what ``"auto"`` resolved to)."""
+        return self._transport.name
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    # ---- the call ---------------------------------------------------------------------------
+    def score_push(
+        self,
+        iq: torch.Tensor,
+        index_cache: formats.Cache,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        init_blocks: int = 0,
+        local_blocks: int = 1,
+        width: int | None = None,
+    ) -> torch.Tensor:
+        """This rank's heads' block scores over every block of every row.
+
+        Args:
+            iq: ``[rows, heads_per_rank, 128]`` (or ``[rows, 128]``) query rows of this rank's
+                heads; ``float8_e4m3fn`` for fp8/nvfp4 caches, ``bfloat16`` for bf16.
+            index_cache: the paged index-key cache in ``config.cache_format``: bf16 or fp8
+                ``[pages, 128, 128]``, nvfp4 ``uint8 [pages, 9216]`` or the public pair
+                ``(packed uint8 [pages, 128, 64], scales e4m3 [pages, 128, 8])``.
+            block_table: int32 ``[rows, max_blocks]``, rows contiguous.
+            seq_lens: int32 ``[rows]``, causal lengths (own token included).
+            init_blocks, local_blocks: forced-selection counts (MiniMax-M3: 0 and 1).
+            width: score columns, ``ceil(max(seq_lens)/128) <= width <= max_width``; default
+                ``block_table.shape[1]`` (capture-stable).
+
+        Returns:
+            float32 ``[heads_per_rank, rows, width]``, a view valid until the next call.
+        """
+        if self._closed:
+            raise CPIndexError("score_push on a closed IndexCP")
+        if width is None and isinstance(block_table, torch.Tensor) and block_table.dim() == 2:
+            width = block_table.shape[1]
+        call = check_call(
+            self.config, self.heads_per_rank, self.device, iq, index_cache, block_table,
+            seq_lens, init_blocks, local_blocks, width,
+        )  # fmt: skip
+        if not self._busy.acquire(blocking=False):
+            raise CPIndexError(
+                "score_push called concurrently on one IndexCP; one instance serves one stream "
+                "at a time (create one instance per stream or micro-batch)"
+            )
+        try:
+            self._transport.check()  # a previous call's recorded failure, no sync
+            out = self._transport.score_push(call)
+            if self.config.error_check == "sync" and self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+                self._transport.check()
+            return out
+        finally:
+            self._busy.release()
+
+    def check(self) -> None:
+        """Raise an error recorded by an earlier call (timeouts, bad block tables). Reads host
+        memory only: cheap, and usable after graph replays."""
+        self._transport.check()
+
+    def reset(self) -> None:
+        """Collective: after an error, wait for every rank's kernels and zero the handshake
+        state so the group can go on."""
+        self._transport.reset()
+
+    def close(self) -> None:
+        """Collective: release buffers and peer mappings. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._transport.close()
+
+    def __enter__(self) -> IndexCP:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"IndexCP(transport={self.transport_name!r}, rank={self.rank}/{self.world_size}, "
+            f"device={self.device}, format={self.config.cache_format!r})"
+        )
+
+
+_instance: IndexCP | None = None
+
+
+def init(
+    config: CPIndexConfig | None = None,
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | str | None = None,
+) -> IndexCP:
+    """Create this process's shared instance (collective). Serving stacks call it once after
+    their process groups exist; :func:`get` returns it afterwards."""
+    global _instance
+    if _instance is not None:
+        raise CPIndexError("cpindex.init called twice; use cpindex.get() or shutdown() first")
+    _instance = IndexCP(config, group, device)
+    return _instance
+
+
+def get() -> IndexCP:
+    """The instance created by :func:`init`."""
+    if _instance is None:
+        raise CPIndexError("cpindex.get() before cpindex.init()")
+    return _instance
+
+
+def shutdown() -> None:
+    """Close and forget the shared instance (collective)."""
+    global _instance
+    if _instance is not None:
+        _instance.close()
+        _instance = None

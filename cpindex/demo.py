@@ -1,0 +1,113 @@
+"""``python -m cpindex demo``: the main job end to end on whatever this machine has.
+
+Spawns a W-rank world (gloo processes on a CPU machine, NCCL processes with W GPUs, the
+one-process world on a single GPU), builds one random ragged decode step, runs ``score_push`` on
+every rank, checks each rank's scores against the single-process reference, runs the top-16
+selection the scores feed, and prints a short summary.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from . import formats, partition, reference, testing
+from .api import IndexCP
+from .config import CPIndexConfig
+from .world import Comm, TorchComm, run_threads, spawn_processes
+
+
+@dataclass
+class DemoArgs:
+    world: int = 4
+    rows: int = 8
+    context: int = 8192
+    fmt: str = "nvfp4"
+    transport: str = "auto"
+    seed: int = 0
+    repeats: int = 5
+
+
+def _rank_job(comm: Comm, args: DemoArgs, device: torch.device) -> dict:
+    cfg = CPIndexConfig(
+        transport=args.transport,
+        cache_format=args.fmt,
+        max_rows=max(args.rows, 8),
+        max_width=-(-args.context // 128),
+    )
+    prob = testing.make_problem(args.rows, args.context, args.fmt, seed=args.seed, device=device)
+    with IndexCP(cfg, device=device, comm=comm) as cp:
+        iq = prob.rank_queries(comm.rank, comm.world_size)
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            out = cp.score_push(iq, prob.index_cache, prob.block_table, prob.seq_lens,
+                                0, 1, prob.width)
+            if device.type == "cuda":
+                torch.cuda.current_stream().synchronize()
+            times.append(time.perf_counter() - t0)
+        out = out.clone()
+        want = reference.block_scores(
+            prob.q, prob.index_cache, prob.block_table, prob.seq_lens,
+            init_blocks=0, local_blocks=1, width=prob.width, sm_scale=cfg.sm_scale,
+        )[partition.heads_of_rank(comm.rank, cfg.num_heads, comm.world_size)]
+        finite = torch.isfinite(want)
+        err = (out - want).abs()[finite].max().item() if finite.any() else 0.0
+        scale = want[finite].abs().max().item() if finite.any() else 1.0
+        same_inf = torch.equal(torch.isinf(out), torch.isinf(want))
+        match = same_inf and err <= 1e-3 * max(scale, 1.0)
+        picked = reference.topk_blocks(out.float(), 16)
+        picked_ref = reference.topk_blocks(want, 16)
+        scanned = partition.scanned_blocks(prob.seq_lens, comm.rank, comm.world_size, 0, 1)
+        return {
+            "rank": comm.rank,
+            "transport": cp.transport_name,
+            "device": str(device),
+            "median_ms": sorted(times)[len(times) // 2] * 1e3,
+            "bytes": scanned * 128 * formats.BYTES_PER_TOKEN[args.fmt],
+            "max_err": err,
+            "match": bool(match),
+            "topk_match": bool(torch.equal(picked, picked_ref)),
+        }
+
+
+def _process_job(rank: int, world: int, args: DemoArgs, use_cuda: bool) -> None:
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    comm = TorchComm()
+    res = _rank_job(comm, args, device)
+    results = comm.all_gather_object(res)
+    if rank == 0:
+        _print(results, args)
+
+
+def _print(results: list[dict], args: DemoArgs) -> None:
+    total = -(-args.context // 128)
+    print(
+        f"cpindex demo: {args.world} ranks, {args.rows} rows up to {args.context} tokens "
+        f"({total} blocks), format {args.fmt}, transport {results[0]['transport']}"
+    )
+    print(f"{'rank':>4} {'device':>8} {'time/call':>11} {'scanned':>10} {'max|err|':>9}  match  top-16")
+    for r in results:
+        print(
+            f"{r['rank']:>4} {r['device']:>8} {r['median_ms']:>8.2f} ms {r['bytes'] / 2**20:>7.2f} MiB "
+            f"{r['max_err']:>9.2e}  {'yes' if r['match'] else 'NO':>5}  "
+            f"{'same' if r['topk_match'] else 'DIFF':>6}"
+        )
+    ok = all(r["match"] and r["topk_match"] for r in results)
+    print("all ranks match the reference" if ok else "MISMATCH")
+    if not ok:
+        raise SystemExit(1)
+
+
+def run(args: DemoArgs) -> None:
+    """Pick the world that fits this machine and run the demo in it."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus >= args.world:
+        spawn_processes(args.world, _process_job, args, True, backend="nccl")
+    elif gpus >= 1:  # one GPU: the one-process world, one stream per rank
+        dev = torch.device("cuda", 0)
+        _print(run_threads(args.world, lambda c: _rank_job(c, args, dev), device=dev), args)
+    else:
+        spawn_processes(args.world, _process_job, args, False, backend="gloo")

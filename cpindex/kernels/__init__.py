@@ -1,0 +1,6 @@
+"""The fused HIP/CUDA scoring kernel: source (``score.hip``, ``compat.h``, ``launch.h``), torch
+binding (``binding.cpp``), JIT build (:mod:`.build`) and launcher (:mod:`.launcher`)."""
+
+from .build import KernelUnavailable, available, device_arch, load
+
+__all__ = ["KernelUnavailable", "available", "device_arch", "load"]

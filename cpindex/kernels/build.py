@@ -1,0 +1,100 @@
+"""JIT build of the fused kernel: the only place that knows compiler flags.
+
+The module is cached per (vendor arch, source hash, flags) under ``CPINDEX_CACHE_DIR`` (default
+``~/.cache/cpindex``); torch's builder holds a file lock around build and load, so concurrent
+processes build once. CPU-only machines never build: the reference scorer serves there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from ..errors import TransportUnavailable
+
+_HERE = Path(__file__).resolve().parent
+_SOURCES = ("score.hip", "binding.cpp", "compat.h", "launch.h")
+_lock = threading.Lock()
+_modules: dict[tuple[str, bool], ModuleType] = {}
+
+
+class KernelUnavailable(TransportUnavailable):
+    """The fused kernel cannot be built or loaded here (no GPU, no compiler, build error)."""
+
+
+def device_arch(device: torch.device | None = None) -> str:
+    """``sm_90``-style (CUDA) or ``gfx950``-style (ROCm) name of the device's architecture."""
+    if not torch.cuda.is_available():
+        raise KernelUnavailable("no CUDA/ROCm device is visible to torch")
+    props = torch.cuda.get_device_properties(device or torch.cuda.current_device())
+    if torch.version.hip:
+        return props.gcnArchName.split(":")[0]
+    return f"sm_{props.major}{props.minor}"
+
+
+def _source_hash(flags: list[str]) -> str:
+    h = hashlib.sha256()
+    for name in _SOURCES:
+        h.update((_HERE / name).read_bytes())
+    h.update(" ".join(flags).encode())
+    h.update(torch.__version__.encode())
+    return h.hexdigest()[:16]
+
+
+def load(device: torch.device | None = None, *, portable: bool = False) -> ModuleType:
+    """The compiled extension for ``device``'s architecture (built on first use).
+
+    ``portable=True`` builds the scalar path AMD runs (no tensor-core mma) on CUDA, so that path
+    is tested on NVIDIA hardware too.
+    """
+    arch = device_arch(device)
+    key = (arch, portable)
+    with _lock:
+        if key in _modules:
+            return _modules[key]
+        from torch.utils import cpp_extension
+
+        flags = ["-O3", "-std=c++17"] + (["-DCP_PORTABLE=1"] if portable else [])
+        name = f"cpindex_{arch}_{'portable_' if portable else ''}{_source_hash(flags)}"
+        cache = Path(os.environ.get("CPINDEX_CACHE_DIR", Path.home() / ".cache" / "cpindex"))
+        build_dir = cache / name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        if torch.version.hip:
+            os.environ["PYTORCH_ROCM_ARCH"] = arch
+            kernel_src = _HERE / "score.hip"
+        else:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = f"{arch[3:-1]}.{arch[-1]}"
+            # nvcc needs a .cu name; the wrapper includes the one HIP source.
+            kernel_src = build_dir / "score.cu"
+            kernel_src.write_text(f'#include "{_HERE / "score.hip"}"\n')
+        try:
+            mod = cpp_extension.load(
+                name=name,
+                sources=[str(_HERE / "binding.cpp"), str(kernel_src)],
+                extra_include_paths=[str(_HERE)],
+                extra_cflags=flags,
+                extra_cuda_cflags=flags,
+                build_directory=str(build_dir),
+                verbose=False,
+            )
+        except Exception as e:  # the compiler's output is in the message
+            raise KernelUnavailable(f"building the cpindex kernel for {arch} failed: {e}") from e
+        from .structs import check_layout
+
+        check_layout(mod.params_layout())
+        _modules[key] = mod
+        return mod
+
+
+def available(device: torch.device | None = None) -> tuple[bool, str]:
+    """Whether the kernel can run on ``device``, and why not."""
+    try:
+        load(device)
+    except KernelUnavailable as e:
+        return False, str(e)
+    return True, f"fused kernel built for {device_arch(device)}"

@@ -1,0 +1,185 @@
+"""Launching the fused kernel from Python: parameter images, grid sizing, error words.
+
+A :class:`KernelScorer` is one call site (fixed format, heads, rank, world). Everything that
+depends only on the call's static shape (rows, width, forcing counts) is packed into a struct
+image once and cached; a call patches pointers in C++ and launches.
+"""
+
+from __future__ import annotations
+
+import ctypes as C
+from collections.abc import Sequence
+
+import torch
+
+from .. import formats
+from ..errors import BadBlockTableError, PeerTimeoutError
+from . import structs
+from .build import load
+
+PHASES = {structs.ERR_TIMEOUT_QUERIES: "queries", structs.ERR_TIMEOUT_SCORES: "scores"}
+
+
+class ErrorMonitor:
+    """The kernel's error word: a device copy every CTA checks, and a pinned host mirror the
+    host reads at every call without a sync (so checks stay cheap and graph-safe)."""
+
+    def __init__(self, device: torch.device, rank: int, device_word_ptr: int | None = None):
+        mod = load(device)
+        self.rank = rank
+        self._own = None
+        if device_word_ptr is None:  # callers with peer memory place the word there instead
+            self._own = torch.zeros(C.sizeof(structs.ErrorWord), dtype=torch.uint8, device=device)
+            device_word_ptr = self._own.data_ptr()
+        self.device_ptr = device_word_ptr
+        self.host = torch.zeros(C.sizeof(structs.ErrorWord), dtype=torch.uint8, pin_memory=True)
+        self.host_device_ptr = mod.host_device_pointer(self.host.data_ptr())
+        self._code = self.host[:4].view(torch.int32)
+
+    def check(self) -> None:
+        """Raise the recorded error, if any (reads host memory only)."""
+        if int(self._code[0]) == 0:
+            return
+        w = structs.ErrorWord.from_buffer_copy(self.host.numpy().tobytes())
+        if w.code == structs.ERR_BAD_PAGE:
+            raise BadBlockTableError(
+                f"rank {w.rank}: block_table row {w.peer}, column {w.detail} names a page "
+                f"outside index_cache (or a column past block_table's width); those scores are NaN"
+            )
+        phase = PHASES.get(w.code, f"code {w.code}")
+        raise PeerTimeoutError(
+            f"rank {w.rank}: call {w.call} timed out waiting for rank {w.peer}'s {phase} "
+            f"(rank {w.peer} is late or skipped the call; flag stood at call {w.detail}). "
+            "Every rank must make the same sequence of score_push calls; reset() to go on.",
+            rank=w.rank,
+            peer=w.peer,
+            call=w.call,
+            phase=phase,
+        )
+
+    def clear_host(self) -> None:
+        self.host.zero_()
+
+
+class KernelScorer:
+    """Launches the fused kernel for one (format, heads, rank, world) configuration."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        fmt: str,
+        *,
+        num_heads: int,
+        rank: int,
+        world: int,
+        sm_scale: float,
+        monitor: ErrorMonitor,
+        ranks_per_device: int = 1,
+        portable: bool = False,
+    ) -> None:
+        self.mod = load(device, portable=portable)
+        self.device = device
+        self.fmt_id = structs.FORMAT_IDS[fmt]
+        self.elem = 2 if fmt == "bf16" else 1
+        self.num_heads, self.rank, self.world, self.sm_scale = num_heads, rank, world, sm_scale
+        self.monitor = monitor
+        self._images: dict[tuple, torch.Tensor] = {}
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self._capacity = {
+            push: max(1, sms * self.mod.occupancy(self.fmt_id, push) // ranks_per_device)
+            for push in (False, True)
+        }
+
+    def grid(self, rows: int, width: int, push: bool) -> int:
+        """Persistent grid from static sizes only; push grids must all be resident at once
+        (every CTA may wait for peers) and deliver queries from CTAs 0..world-1."""
+        items = rows * -(-width // self.world)
+        ctas = min(-(-items // 4), self._capacity[push])
+        return max(ctas, self.world if push else 1)
+
+    def params(
+        self,
+        *,
+        rows: int,
+        width: int,
+        init_blocks: int,
+        local_blocks: int,
+        q_ptr: int = 0,
+        q_src_stride: int,
+        q_row_stride: int,
+        q_heads_per_src: int,
+        dst: Sequence[int],
+        dst_copies: int,
+        shard_columns: bool,
+        out_row_stride: int,
+    ) -> torch.Tensor:
+        """A ScoreParams image (pointers to keys, table and lengths are patched per call)."""
+        p = structs.ScoreParams()
+        p.q = q_ptr
+        p.q_src_stride, p.q_row_stride, p.q_heads_per_src = q_src_stride, q_row_stride, q_heads_per_src
+        p.rows, p.width, p.num_heads = rows, width, self.num_heads
+        p.rank, p.world = self.rank, self.world
+        p.init_blocks, p.local_blocks = init_blocks, local_blocks
+        p.scale = self.sm_scale
+        for i, ptr in enumerate(dst):
+            p.dst[i] = ptr
+        p.dst_copies, p.shard_columns, p.out_row_stride = dst_copies, int(shard_columns), out_row_stride
+        p.err, p.err_host = self.monitor.device_ptr, self.monitor.host_device_ptr
+        return structs.image(p)
+
+    def launch(
+        self,
+        q: torch.Tensor,
+        index_cache: formats.Cache,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        params: torch.Tensor,
+        grid: int,
+        push: torch.Tensor | None = None,
+    ) -> None:
+        """One kernel launch on the current stream."""
+        if isinstance(index_cache, tuple):
+            kv, ks = index_cache
+        else:
+            kv, ks = index_cache, None
+        self.mod.score(q, kv, ks, block_table, seq_lens, params, push, self.fmt_id, grid)
+
+    def score_local(
+        self,
+        q: torch.Tensor,
+        index_cache: formats.Cache,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        out: torch.Tensor,
+        *,
+        init_blocks: int,
+        local_blocks: int,
+        width: int,
+        shard: bool = False,
+        q_src_stride: int | None = None,
+        q_heads_per_src: int | None = None,
+    ) -> None:
+        """Local mode: this rank's columns for all heads into ``out``, ``[H, rows, width]`` (or
+        ``[H, rows, ceil(width / world)]`` with ``shard=True``). ``q`` is ``[.., rows, hps,
+        128]``; by default one source holding all heads (``[rows, H, 128]``)."""
+        rows = block_table.shape[0]
+        hps = q_heads_per_src or self.num_heads
+        cols = out.shape[-1]
+        key = (rows, width, init_blocks, local_blocks, shard, out.data_ptr(), q_src_stride, hps)
+        img = self._images.get(key)
+        if img is None:
+            img = self.params(
+                rows=rows,
+                width=width,
+                init_blocks=init_blocks,
+                local_blocks=local_blocks,
+                q_src_stride=q_src_stride if q_src_stride is not None else 0,
+                q_row_stride=hps * formats.HEAD_DIM * self.elem,
+                q_heads_per_src=hps,
+                dst=[out.data_ptr() + h * rows * cols * 4 for h in range(self.num_heads)],
+                dst_copies=1,
+                shard_columns=shard,
+                out_row_stride=cols,
+            )
+            self._images[key] = img
+        self.launch(q, index_cache, block_table, seq_lens, img, self.grid(rows, width, False))

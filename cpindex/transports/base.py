@@ -1,0 +1,141 @@
+"""The transport contract, the registry, and the one place a transport is chosen.
+
+Every transport implements ``score_push`` with the same result (SPEC section 5). Choosing is a
+collective: each rank probes every candidate locally, the reports are all-gathered, and every
+rank picks the same first candidate that all ranks can run (and whose self-test passes on all
+ranks). A rank never decides alone: ranks on different transports would deadlock.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..config import CPIndexConfig
+from ..errors import TransportUnavailable
+from ..validation import Call
+from ..world import Comm
+
+log = logging.getLogger("cpindex")
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a transport is built from; the same on every rank except rank/device."""
+
+    config: CPIndexConfig  # bound to the group's world size
+    comm: Comm
+    device: torch.device
+    ranks_per_device: int  # ranks of this group sharing this rank's GPU (one-process world)
+    portable_kernel: bool = False  # use the scalar kernel path AMD runs (testing on CUDA)
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def heads_per_rank(self) -> int:
+        return self.config.heads_per_rank(self.world)
+
+
+class Transport(ABC):
+    """One way to run ``score_push``. Subclasses register themselves by ``name``."""
+
+    name: ClassVar[str]
+
+    @classmethod
+    @abstractmethod
+    def probe(cls, ctx: Context) -> tuple[bool, str]:
+        """Can this rank run the transport? Local and cheap: no collectives."""
+
+    @abstractmethod
+    def __init__(self, ctx: Context) -> None:
+        """Allocate and exchange buffers (collective). Raise TransportUnavailable on failure."""
+
+    @abstractmethod
+    def score_push(self, call: Call) -> torch.Tensor:
+        """This rank's ``[heads_per_rank, rows, width]`` scores, a view valid until the next call."""
+
+    def self_test(self) -> tuple[bool, str]:
+        """A one-time end-to-end check run at construction (collective)."""
+        return True, "no self-test"
+
+    def check(self) -> None:  # noqa: B027 - optional hook
+        """Raise any error a previous call recorded on the device (no sync)."""
+
+    def reset(self) -> None:  # noqa: B027 - optional hook
+        """Clear errors and counters after a failure (collective)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources. Idempotent."""
+
+
+REGISTRY: dict[str, type[Transport]] = {}
+
+
+def register(cls: type[Transport]) -> type[Transport]:
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def candidates(config: CPIndexConfig) -> list[str]:
+    """Transports to try, in order. ``auto``: ``ipc`` (fastest on one node with peer access),
+    ``mori`` only when ``prefer_mori`` is set, then ``collective`` (always works)."""
+    if config.transport != "auto":
+        return [config.transport]
+    return ["ipc", *(["mori"] if config.prefer_mori else []), "collective"]
+
+
+def select(ctx: Context) -> Transport:
+    """Build the transport every rank agrees on (collective; same order on all ranks)."""
+    names = candidates(ctx.config)
+    explicit = ctx.config.transport != "auto"
+    mine = {}
+    for name in names:
+        try:
+            mine[name] = REGISTRY[name].probe(ctx)
+        except Exception as e:  # a probe must never leave the others waiting
+            mine[name] = (False, f"probe failed: {e}")
+    reports = ctx.comm.all_gather_object(mine)
+    why_not: list[str] = []
+    for name in names:
+        bad = [(r, rep[name][1]) for r, rep in enumerate(reports) if not rep[name][0]]
+        if bad:
+            why = "; ".join(f"rank {r}: {reason}" for r, reason in bad)
+            if explicit:
+                raise TransportUnavailable(f"transport '{name}' cannot run: {why}")
+            why_not.append(f"{name} ({why})")
+            continue
+        try:  # constructors agree collectively before raising, so all ranks land here
+            transport = REGISTRY[name](ctx)
+        except TransportUnavailable as e:
+            if explicit:
+                raise
+            why_not.append(f"{name} ({e})")
+            continue
+        ok, detail = transport.self_test()
+        results = ctx.comm.all_gather_object((ok, detail))
+        failed = [(r, d) for r, (o, d) in enumerate(results) if not o]
+        if failed:
+            transport.close()
+            why = "; ".join(f"rank {r}: {d}" for r, d in failed)
+            if explicit:
+                raise TransportUnavailable(f"transport '{name}' failed its self-test: {why}")
+            why_not.append(f"{name} (self-test: {why})")
+            continue
+        if ctx.rank == 0:
+            chosen = "requested" if explicit else "auto"
+            skipped = f"; skipped {', '.join(why_not)}" if why_not else ""
+            log.info("cpindex: transport '%s' (%s) on %d ranks: %s%s", name, chosen, ctx.world,
+                     reports[0][name][1], skipped)
+        transport.selection_note = "; ".join(why_not)  # type: ignore[attr-defined]
+        return transport
+    raise TransportUnavailable("no transport can run: " + "; ".join(why_not))

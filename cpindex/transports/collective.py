@@ -1,0 +1,126 @@
+"""``collective``: score locally, exchange through torch.distributed. Works everywhere.
+
+1. all-gather every rank's query rows (so each rank has all H heads);
+2. score this rank's round-robin share of every row's blocks for all heads (fused kernel in local
+   mode on GPU, the reference on CPU) into a ``[H, rows, ceil(width / W)]`` shard;
+3. all-to-all the shard so rank d receives its heads' columns from every rank;
+4. interleave the W shards back into ``[heads_per_rank, rows, width]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import formats, partition, reference
+from ..kernels.launcher import ErrorMonitor, KernelScorer
+from ..validation import Call
+from .base import Context, Transport, register
+
+
+@register
+class CollectiveTransport(Transport):
+    name = "collective"
+
+    @classmethod
+    def probe(cls, ctx: Context) -> tuple[bool, str]:
+        backend = getattr(ctx.comm, "backend", "in-process copies")
+        return True, f"all-gather + all-to-all over {backend}"
+
+    def __init__(self, ctx: Context) -> None:
+        cfg, w, hpr = ctx.config, ctx.world, ctx.heads_per_rank
+        self.ctx = ctx
+        self.fmt = cfg.cache_format
+        self.qdtype = formats.query_dtype(self.fmt)
+        kw = partition.shard_width(cfg.max_width, w)
+        dev = ctx.device
+        self._q = torch.empty(w * cfg.max_rows * hpr * cfg.head_dim, dtype=self.qdtype, device=dev)
+        self._shard = torch.empty(cfg.num_heads * cfg.max_rows * kw, device=dev)
+        self._recv = torch.empty(w * hpr * cfg.max_rows * kw, device=dev)
+        self._out = torch.empty(hpr * cfg.max_rows * cfg.max_width, device=dev)
+        owners = partition.head_owners(cfg.num_heads, w)
+        # Which of the shard's heads go to each destination (replicated heads: d % H).
+        self._send_heads = (
+            None
+            if cfg.num_heads >= w
+            else torch.tensor([d % cfg.num_heads for d in range(w)], device=dev)
+        )
+        assert all(len(o) == len(owners[0]) for o in owners)
+        self.scorer = None
+        self.monitor = None
+        if dev.type == "cuda":
+            self.monitor = ErrorMonitor(dev, ctx.rank)
+            self.scorer = KernelScorer(
+                dev,
+                self.fmt,
+                num_heads=cfg.num_heads,
+                rank=ctx.rank,
+                world=w,
+                sm_scale=cfg.sm_scale,
+                monitor=self.monitor,
+                ranks_per_device=ctx.ranks_per_device,
+                portable=ctx.portable_kernel,
+            )
+
+    def _all_heads(self, q_all: torch.Tensor) -> torch.Tensor:
+        """Gathered ``[W, rows, hpr, D]`` queries as ``[rows, H, D]`` (reference path)."""
+        h = self.ctx.config.num_heads
+        w, rows, hpr, d = q_all.shape
+        src = q_all if h >= w else q_all[:h]
+        return src.permute(1, 0, 2, 3).reshape(rows, h, d)
+
+    def score_push(self, call: Call) -> torch.Tensor:
+        cfg, w, rank, hpr = self.ctx.config, self.ctx.world, self.ctx.rank, self.ctx.heads_per_rank
+        rows, width, d = call.rows, call.width, cfg.head_dim
+        kw = partition.shard_width(width, w)
+        q_all = self._q[: w * rows * hpr * d].view(w, rows, hpr, d)
+        self.ctx.comm.all_gather_into(q_all, call.iq)
+
+        shard = self._shard[: cfg.num_heads * rows * kw].view(cfg.num_heads, rows, kw)
+        if self.scorer is not None:
+            self.scorer.score_local(
+                q_all,
+                call.index_cache,
+                call.block_table,
+                call.seq_lens,
+                shard,
+                init_blocks=call.init_blocks,
+                local_blocks=call.local_blocks,
+                width=width,
+                shard=True,
+                q_src_stride=rows * hpr * d * q_all.element_size(),
+                q_heads_per_src=hpr,
+            )
+        else:
+            cols = partition.owned_columns(rank, w, width)
+            shard[:, :, : cols.numel()] = reference.block_scores(
+                self._all_heads(q_all),
+                call.index_cache,
+                call.block_table,
+                call.seq_lens,
+                init_blocks=call.init_blocks,
+                local_blocks=call.local_blocks,
+                width=width,
+                sm_scale=cfg.sm_scale,
+                columns=cols,
+            )
+
+        send = shard if self._send_heads is None else shard.index_select(0, self._send_heads)
+        recv = self._recv[: w * hpr * rows * kw].view(w, hpr, rows, kw)
+        self.ctx.comm.all_to_all_into(recv, send.view(w, hpr, rows, kw))
+        out = self._out[: hpr * rows * width].view(hpr, rows, width)
+        # Column src + W*k of the output is column k of rank src's shard.
+        out.copy_(recv.permute(1, 2, 3, 0).reshape(hpr, rows, kw * w)[:, :, :width])
+        return out
+
+    def check(self) -> None:
+        if self.monitor is not None:
+            self.monitor.check()
+
+    def reset(self) -> None:
+        self.ctx.comm.barrier()
+        if self.monitor is not None:
+            torch.cuda.synchronize(self.ctx.device)
+            self.monitor._own.zero_()  # type: ignore[union-attr]
+            torch.cuda.synchronize(self.ctx.device)
+            self.monitor.clear_host()
+        self.ctx.comm.barrier()

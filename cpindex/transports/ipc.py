@@ -1,0 +1,130 @@
+"""``ipc``: raw peer writes into memory mapped through CUDA/HIP IPC handles.
+
+Each rank allocates one region (cudaMalloc on CUDA; uncached, fine-grained
+``hipExtMallocWithFlags(hipDeviceMallocUncached)`` on ROCm, so peers' stores and flags are seen
+without cache maintenance), exports an IPC handle, and opens every peer's handle once, at
+construction. In a one-process world (:func:`cpindex.world.run_threads`) the regions are plain
+allocations of the shared GPU and their addresses are exchanged as they are.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+
+from .. import kernels
+from ..kernels import structs
+from ..validation import Call
+from .base import Context, Transport, register
+from .peer import PeerLayout, PushEngine, agree, guarded
+
+
+def _identity(ctx: Context) -> dict:
+    dev = ctx.device
+    uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "uuid": uuids[dev.index],
+        "visible": uuids,
+        "index": dev.index,
+    }
+
+
+def peer_access_verdict(ctx: Context, ids: list[dict]) -> tuple[bool, str]:
+    """Can this rank write into every peer's memory? Decided from the gathered identities."""
+    me = ids[ctx.rank]
+    for p, other in enumerate(ids):
+        if other["host"] != me["host"]:
+            return False, f"rank {p} is on another host ({other['host']}); ipc is intra-node"
+        if p == ctx.rank:
+            continue
+        if other["pid"] != me["pid"] and other["uuid"] == me["uuid"]:
+            return False, (
+                f"rank {p} shares this GPU from another process: kernels of two processes do "
+                "not run concurrently on one GPU, so a spin handshake would deadlock "
+                "(use the one-process world, cpindex.world.run_threads)"
+            )
+        if other["uuid"] in me["visible"] and other["uuid"] != me["uuid"]:
+            peer_index = me["visible"].index(other["uuid"])
+            if not kernels.load(ctx.device).can_access_peer(me["index"], peer_index):
+                return False, f"no peer access from GPU {me['index']} to rank {p}'s GPU {peer_index}"
+    return True, "peer access between every pair"
+
+
+@register
+class IpcTransport(Transport):
+    name = "ipc"
+
+    @classmethod
+    def probe(cls, ctx: Context) -> tuple[bool, str]:
+        if ctx.device.type != "cuda":
+            return False, f"needs a GPU (this rank runs on {ctx.device.type})"
+        if ctx.world > structs.MAX_WORLD:
+            return False, f"world size {ctx.world} > {structs.MAX_WORLD} peers per push kernel"
+        ok, why = kernels.available(ctx.device)
+        if not ok:
+            return False, why
+        return True, "fused kernel writes scores straight into peers' buffers"
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self._ptr = 0
+        self._opened: list[int] = []
+        self.engine: PushEngine | None = None
+        mod = kernels.load(ctx.device)
+        ids = ctx.comm.all_gather_object(_identity(ctx))
+        ok, why = peer_access_verdict(ctx, ids)
+        agree(ctx, ok, why, "ipc peer-access check")
+        self.peer_access = why
+        layout = PeerLayout(ctx.config, ctx.world)
+        dev = ctx.device.index
+        self._ptr = guarded(ctx, "ipc buffer allocation", lambda: mod.peer_malloc(layout.total, dev))
+        if ctx.comm.same_process:
+            bases = ctx.comm.all_gather_object(self._ptr)
+        else:
+            handles = ctx.comm.all_gather_object(mod.ipc_handle(self._ptr, dev))
+
+            def open_all() -> list[int]:
+                out = []
+                for p, h in enumerate(handles):
+                    if p == ctx.rank:
+                        out.append(self._ptr)
+                    else:
+                        out.append(mod.ipc_open(h, dev))
+                        self._opened.append(out[-1])
+                return out
+
+            bases = guarded(ctx, "opening peers' IPC handles", open_all)
+        self.engine = PushEngine(ctx, layout, bases, mod.clock_ticks_per_second(dev))
+
+    def score_push(self, call: Call) -> torch.Tensor:
+        return self.engine.score_push(call)  # type: ignore[union-attr]
+
+    def self_test(self) -> tuple[bool, str]:
+        if not self.ctx.config.ipc_self_test:
+            return True, "self-test disabled by config"
+        return self.engine.self_test()  # type: ignore[union-attr]
+
+    def check(self) -> None:
+        self.engine.check()  # type: ignore[union-attr]
+
+    def reset(self) -> None:
+        self.engine.reset()  # type: ignore[union-attr]
+
+    def close(self) -> None:
+        if self._ptr == 0:
+            return
+        mod = kernels.load(self.ctx.device)
+        dev = self.ctx.device.index
+        torch.cuda.synchronize(self.ctx.device)
+        self.ctx.comm.barrier()  # no peer still writes into memory about to go away
+        for p in self._opened:
+            mod.ipc_close(p, dev)
+        self._opened.clear()
+        self.engine = None
+        mod.peer_free(self._ptr, dev)
+        self._ptr = 0
+

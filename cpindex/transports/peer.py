@@ -1,0 +1,220 @@
+"""What the peer-push transports (``ipc``, ``mori``) share: the layout of each rank's
+peer-visible region, the handshake state, the launch, the self-test and the reset.
+
+A transport only allocates one region per rank and tells this module every rank's base address
+as seen from this process; the rest is here, once.
+
+Region of rank r (offsets in bytes)::
+
+    0      calls   u64   completed calls (advanced by the kernel)
+    8      ticket  u32   CTAs finished in the current call
+    64     ErrorWord     device copy of this rank's error word
+    512    q_flags u64[16]  slot p: last call whose queries rank p delivered here
+    1024   s_flags u64[16]  slot p: last call whose scores rank p delivered here
+    4096   queries [world][max_rows][heads_per_rank][128] (query element size)
+    ...    recv    f32 [heads_per_rank][max_rows * max_width]   (used as [hpr, rows, width])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .. import formats, partition
+from ..config import CPIndexConfig
+from ..errors import TransportUnavailable
+from ..kernels import structs
+from ..kernels.launcher import ErrorMonitor, KernelScorer
+from ..validation import Call
+from .base import Context
+
+OFF_CALLS, OFF_TICKET, OFF_ERR, OFF_QFLAGS, OFF_SFLAGS = 0, 8, 64, 512, 1024
+FLAG_BYTES = 4096
+
+
+def _align(n: int, a: int = 256) -> int:
+    return -(-n // a) * a
+
+
+class PeerLayout:
+    """Byte offsets of one rank's region (identical on every rank)."""
+
+    def __init__(self, cfg: CPIndexConfig, world: int) -> None:
+        hpr = cfg.heads_per_rank(world)
+        self.elem = 2 if cfg.cache_format == "bf16" else 1
+        self.q_slot = _align(cfg.max_rows * hpr * cfg.head_dim * self.elem)
+        self.q_off = FLAG_BYTES
+        self.recv_off = _align(self.q_off + world * self.q_slot)
+        self.total = self.recv_off + hpr * cfg.max_rows * cfg.max_width * 4
+
+
+class _CudaArray:
+    """Lets torch view raw device memory (``__cuda_array_interface__``, honoured by torch on
+    CUDA and ROCm) without owning it."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+        }
+
+
+def view_bytes(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over ``nbytes`` of device memory at ``ptr`` (memory stays ours)."""
+    return torch.as_tensor(_CudaArray(ptr, nbytes), device=device)
+
+
+def agree(ctx: Context, ok: bool, why: str, what: str) -> None:
+    """Collective: raise TransportUnavailable on every rank if any rank failed ``what``."""
+    results = ctx.comm.all_gather_object((ok, why))
+    bad = [(r, w) for r, (o, w) in enumerate(results) if not o]
+    if bad:
+        raise TransportUnavailable(
+            f"{what} failed: " + "; ".join(f"rank {r}: {w}" for r, w in bad)
+        )
+
+
+class PushEngine:
+    """Launches push-mode calls over regions whose base addresses are ``bases[rank]``."""
+
+    def __init__(
+        self, ctx: Context, layout: PeerLayout, bases: Sequence[int], timeout_ticks_per_s: float
+    ) -> None:
+        cfg, rank, w = ctx.config, ctx.rank, ctx.world
+        self.ctx, self.layout, self.bases = ctx, layout, list(bases)
+        self.hpr = ctx.heads_per_rank
+        self.local = view_bytes(bases[rank], layout.total, ctx.device)
+        self.recv = self.local[layout.recv_off :].view(torch.float32)
+        self.monitor = ErrorMonitor(ctx.device, rank, device_word_ptr=bases[rank] + OFF_ERR)
+        self.scorer = KernelScorer(
+            ctx.device,
+            cfg.cache_format,
+            num_heads=cfg.num_heads,
+            rank=rank,
+            world=w,
+            sm_scale=cfg.sm_scale,
+            monitor=self.monitor,
+            ranks_per_device=ctx.ranks_per_device,
+            portable=ctx.portable_kernel,
+        )
+        ps = structs.PushState()
+        base = bases[rank]
+        ps.calls, ps.ticket = base + OFF_CALLS, base + OFF_TICKET
+        ps.q_flags, ps.s_flags = base + OFF_QFLAGS, base + OFF_SFLAGS
+        for p in range(w):
+            ps.peer_q_slot[p] = bases[p] + layout.q_off + rank * layout.q_slot
+            ps.peer_q_flag[p] = bases[p] + OFF_QFLAGS + 8 * rank
+            ps.peer_s_flag[p] = bases[p] + OFF_SFLAGS + 8 * rank
+        ps.timeout_ticks = int(cfg.timeout_s * timeout_ticks_per_s)
+        self.push_image = structs.image(ps)
+        self._owners = partition.head_owners(cfg.num_heads, w)
+        self._images: dict[tuple[int, int, int, int], torch.Tensor] = {}
+
+    def _params(self, rows: int, width: int, init_blocks: int, local_blocks: int) -> torch.Tensor:
+        cfg, w, lay = self.ctx.config, self.ctx.world, self.layout
+        dst = []
+        for h, owners in enumerate(self._owners):
+            for o in owners:
+                slot = partition.heads_of_rank(o, cfg.num_heads, w).index(h)
+                dst.append(self.bases[o] + lay.recv_off + slot * rows * width * 4)
+        return self.scorer.params(
+            rows=rows,
+            width=width,
+            init_blocks=init_blocks,
+            local_blocks=local_blocks,
+            q_ptr=self.bases[self.ctx.rank] + lay.q_off,
+            q_src_stride=lay.q_slot,
+            q_row_stride=self.hpr * cfg.head_dim * lay.elem,
+            q_heads_per_src=self.hpr,
+            dst=dst,
+            dst_copies=len(self._owners[0]),
+            shard_columns=False,
+            out_row_stride=width,
+        )
+
+    def score_push(self, call: Call) -> torch.Tensor:
+        rows, width = call.rows, call.width
+        key = (rows, width, call.init_blocks, call.local_blocks)
+        img = self._images.get(key)
+        if img is None:
+            img = self._images[key] = self._params(*key)
+        self.scorer.launch(
+            call.iq,
+            call.index_cache,
+            call.block_table,
+            call.seq_lens,
+            img,
+            self.scorer.grid(rows, width, push=True),
+            push=self.push_image,
+        )
+        return self.recv[: self.hpr * rows * width].view(self.hpr, rows, width)
+
+    def self_test(self) -> tuple[bool, str]:
+        """Every rank writes a known pattern into every owner's buffer through the real push
+        path (forced columns only: no cache reads), and each owner checks what landed. Catches
+        peer writes that silently land nowhere (IOMMU, broken P2P)."""
+        cfg, w = self.ctx.config, self.ctx.world
+        width = min(cfg.max_width, 3 * w)
+        n = min(2 * w, width)
+        init = min(w, n)
+        dev = self.ctx.device
+        fmt = cfg.cache_format
+        cache = torch.zeros(
+            (1, formats.NVFP4_PAGE_BYTES) if fmt == "nvfp4" else (1, 128, 128),
+            dtype=torch.uint8 if fmt == "nvfp4" else (torch.bfloat16 if fmt == "bf16" else torch.float8_e4m3fn),
+            device=dev,
+        )
+        call = Call(
+            iq=torch.zeros(1, self.hpr, cfg.head_dim, device=dev).to(formats.query_dtype(fmt)),
+            index_cache=cache,
+            block_table=torch.zeros(1, width, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([n * cfg.block_size], dtype=torch.int32, device=dev),
+            init_blocks=init,
+            local_blocks=n - init,
+            width=width,
+        )
+        self.recv[: self.hpr * width].fill_(float("nan"))
+        torch.cuda.synchronize(dev)
+        self.ctx.comm.barrier()  # every rank poisoned before anyone pushes
+        out = self.score_push(call)
+        torch.cuda.synchronize(dev)
+        try:
+            self.monitor.check()
+        except Exception as e:
+            return False, f"self-test call failed: {e}"
+        j = torch.arange(width, device=dev)
+        want = torch.full((width,), float("-inf"), device=dev)
+        want[j < n] = 1e29
+        want[j < init] = 1e30
+        got = out[:, 0, :]
+        if not torch.equal(got, want.expand_as(got)):
+            wrong = sorted({int(c) % w for c in (got != want).nonzero()[:, 1].tolist()})
+            return False, f"peer writes from ranks {wrong} did not land (IOMMU or broken P2P?)"
+        return True, f"peer writes from all {w} ranks landed"
+
+    def check(self) -> None:
+        self.monitor.check()
+
+    def reset(self) -> None:
+        """Collective: wait for every rank's kernels, zero counters, flags and error words."""
+        dev = self.ctx.device
+        torch.cuda.synchronize(dev)
+        self.ctx.comm.barrier()
+        self.local[:FLAG_BYTES].zero_()
+        torch.cuda.synchronize(dev)
+        self.monitor.clear_host()
+        self.ctx.comm.barrier()
+
+
+def guarded(ctx: Context, what: str, fn: Callable[[], object]) -> object:
+    """Run a fallible local step; every rank learns if any rank failed (no rank is left
+    waiting in a later collective)."""
+    try:
+        result, ok, why = fn(), True, ""
+    except Exception as e:
+        result, ok, why = None, False, f"{type(e).__name__}: {e}"
+    agree(ctx, ok, why, what)
+    return result

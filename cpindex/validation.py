@@ -1,0 +1,140 @@
+"""Input checks of ``score_push``: the one place they live, run before anything is launched.
+
+Transports trust what reaches them. Shape, dtype, device and size checks are host-only. The
+length checks (``width`` and ``block_table`` wide enough for the longest row) read ``seq_lens``:
+free when it is on the CPU, a device sync otherwise, so they run when ``config.check_lengths`` is
+on and the stream is not being captured; the kernel guards the table bound on its own anyway.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import formats
+from .config import CPIndexConfig
+
+
+@dataclass(frozen=True)
+class Call:
+    """One validated ``score_push`` call."""
+
+    iq: torch.Tensor  # [rows, heads_per_rank, 128], contiguous
+    index_cache: formats.Cache
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    init_blocks: int
+    local_blocks: int
+    width: int
+
+    @property
+    def rows(self) -> int:
+        return self.iq.shape[0]
+
+
+def _desc(t: torch.Tensor) -> str:
+    return f"{t.dtype} {list(t.shape)} on {t.device}"
+
+
+def _tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _count(name: str, v: object, lo: int, hi: int | None = None) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
+    if v < lo or (hi is not None and v > hi):
+        bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ValueError(f"{name}: expected {bound}, got {v}")
+    return v
+
+
+def _on(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device}, got {_desc(t)}")
+
+
+def check_call(
+    cfg: CPIndexConfig,
+    heads_per_rank: int,
+    device: torch.device,
+    iq: object,
+    index_cache: object,
+    block_table: object,
+    seq_lens: object,
+    init_blocks: object,
+    local_blocks: object,
+    width: object,
+) -> Call:
+    """Validates one call; raises ``TypeError``/``ValueError`` naming the argument."""
+    iq = _tensor("iq", iq)
+    qdt = formats.query_dtype(cfg.cache_format)
+    if iq.dtype != qdt:
+        raise TypeError(
+            f"iq: expected {qdt} for cache_format '{cfg.cache_format}', got {_desc(iq)}"
+        )
+    if iq.dim() == 2 and heads_per_rank == 1:
+        iq = iq.unsqueeze(1)
+    if iq.dim() != 3 or iq.shape[1:] != (heads_per_rank, cfg.head_dim):
+        raise ValueError(
+            f"iq: expected [rows, {heads_per_rank}, {cfg.head_dim}]"
+            + (f" or [rows, {cfg.head_dim}]" if heads_per_rank == 1 else "")
+            + f", got {_desc(iq)}"
+        )
+    if not iq.is_contiguous():
+        raise ValueError(f"iq: expected a contiguous tensor, got strides {iq.stride()}")
+    _on("iq", iq, device)
+    rows = iq.shape[0]
+    if not 1 <= rows <= cfg.max_rows:
+        raise ValueError(f"iq: rows must be in [1, max_rows={cfg.max_rows}], got {rows}")
+
+    if not isinstance(index_cache, (torch.Tensor, tuple)):
+        raise TypeError(
+            f"index_cache: expected a tensor (or a (packed, scales) pair for nvfp4), "
+            f"got {type(index_cache).__name__}"
+        )
+    formats.check_cache(index_cache, cfg.cache_format)
+    for k, part in enumerate(index_cache if isinstance(index_cache, tuple) else (index_cache,)):
+        _on("index_cache" if not isinstance(index_cache, tuple) else f"index_cache[{k}]", part,
+            device)
+
+    block_table = _tensor("block_table", block_table)
+    if block_table.dtype != torch.int32:
+        raise TypeError(f"block_table: expected torch.int32 [rows, max_blocks], got {_desc(block_table)}")
+    if block_table.dim() != 2 or block_table.shape[0] != rows or block_table.shape[1] < 1:
+        raise ValueError(
+            f"block_table: expected torch.int32 [{rows}, max_blocks >= 1] (rows from iq), "
+            f"got {_desc(block_table)}"
+        )
+    if block_table.stride(1) != 1:
+        raise ValueError(f"block_table: rows must be contiguous, got strides {block_table.stride()}")
+    _on("block_table", block_table, device)
+
+    seq_lens = _tensor("seq_lens", seq_lens)
+    if seq_lens.dtype != torch.int32:
+        raise TypeError(f"seq_lens: expected torch.int32 [{rows}], got {_desc(seq_lens)}")
+    if seq_lens.shape != (rows,) or not seq_lens.is_contiguous():
+        raise ValueError(f"seq_lens: expected contiguous torch.int32 [{rows}], got {_desc(seq_lens)}")
+    _on("seq_lens", seq_lens, device)
+
+    init_blocks = _count("init_blocks", init_blocks, 0)
+    local_blocks = _count("local_blocks", local_blocks, 0)
+    width = _count("width", width, 1, cfg.max_width)
+
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if cfg.check_lengths and not capturing:
+        longest = int(seq_lens.max())
+        need = -(-longest // cfg.block_size)
+        if need > width:
+            raise ValueError(
+                f"width: the longest row ({longest} tokens) needs {need} columns, got width={width}"
+            )
+        if need > block_table.shape[1]:
+            raise ValueError(
+                f"block_table: the longest row ({longest} tokens) needs {need} blocks, "
+                f"got max_blocks={block_table.shape[1]}"
+            )
+    return Call(iq, index_cache, block_table, seq_lens, init_blocks, local_blocks, width)

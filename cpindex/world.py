@@ -1,0 +1,230 @@
+"""Who the ranks are and how they talk outside the kernel.
+
+Transports use the :class:`Comm` protocol only. Two implementations:
+
+* :class:`TorchComm`: a ``torch.distributed`` group, one process per rank (gloo on CPU, NCCL on
+  CUDA, RCCL on ROCm). The production path.
+* :class:`ThreadComm`: W ranks as W threads of one process, each with its own stream, sharing one
+  GPU (or the CPU). Kernels of different processes on one GPU never run concurrently, so this is
+  the supported way to run the ``ipc`` handshake on a single GPU: peers' buffers are plain device
+  allocations and the kernel and handshake are exactly the multi-GPU ones.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+# torch 2.13 renamed all_gather_into_tensor (the old name warns); older torch has only that one.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class Comm(Protocol):
+    """The host-side collectives cpindex needs. Every rank calls them in the same order."""
+
+    rank: int
+    world_size: int
+    same_process: bool  # peers' device pointers are valid here as they are
+
+    def all_gather_object(self, obj: Any) -> list[Any]: ...
+
+    def all_gather_into(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """``out`` (``world_size * inp.numel()`` elements, contiguous) gets every rank's ``inp``."""
+
+    def all_to_all_into(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """Equal split along dim 0: ``out[s]`` gets rank ``s``'s ``inp[self.rank]``."""
+
+    def barrier(self) -> None: ...
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    # Backends disagree on fp8/bf16 support; bytes always travel.
+    return t.contiguous().view(torch.uint8).view(-1)
+
+
+class TorchComm:
+    """:class:`Comm` over a ``torch.distributed`` process group (default: the world group)."""
+
+    same_process = False
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        if not dist.is_initialized():
+            raise ValueError("group: torch.distributed is not initialized (init_process_group first)")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.backend = str(dist.get_backend(self.group))
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def all_gather_into(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        _all_gather_single(_bytes(out), _bytes(inp), group=self.group)
+
+    def all_to_all_into(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        dist.all_to_all_single(_bytes(out), _bytes(inp), group=self.group)
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+
+class ThreadWorld:
+    """Shared state of W in-process ranks (see :func:`run_threads`)."""
+
+    def __init__(self, world_size: int, timeout_s: float = 60.0) -> None:
+        self.world_size = world_size
+        self._barrier = threading.Barrier(world_size, timeout=timeout_s)
+        self._slots: list[Any] = [None] * world_size
+
+    def exchange(self, rank: int, obj: Any) -> list[Any]:
+        self._slots[rank] = obj
+        self._barrier.wait()
+        out = list(self._slots)
+        self._barrier.wait()  # nobody overwrites a slot before everyone has read it
+        return out
+
+
+def _ready_event(t: torch.Tensor) -> torch.cuda.Event | None:
+    if t.device.type != "cuda":
+        return None
+    ev = torch.cuda.Event()
+    ev.record()
+    return ev
+
+
+def _wait(events: Sequence[torch.cuda.Event | None]) -> None:
+    for ev in events:
+        if ev is not None:
+            torch.cuda.current_stream().wait_event(ev)
+
+
+class ThreadComm:
+    """:class:`Comm` for one rank of a :class:`ThreadWorld`; tensor collectives are device
+    copies ordered with events, so they behave like stream-ordered NCCL calls."""
+
+    same_process = True
+
+    def __init__(self, world: ThreadWorld, rank: int) -> None:
+        self._world = world
+        self.rank = rank
+        self.world_size = world.world_size
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return self._world.exchange(self.rank, obj)
+
+    def _exchange_tensors(self, inp: torch.Tensor, copy: Callable[[list[torch.Tensor]], None]):
+        peers = self.all_gather_object((inp, _ready_event(inp)))
+        _wait([ev for _, ev in peers])
+        copy([t for t, _ in peers])
+        # Peers may reuse their input only after every rank has copied from it.
+        _wait(self.all_gather_object(_ready_event(inp)))
+
+    def all_gather_into(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        dst = _bytes_view(out).view(self.world_size, -1)
+
+        def copy(ins: list[torch.Tensor]) -> None:
+            for s, t in enumerate(ins):
+                dst[s].copy_(_bytes(t))
+
+        self._exchange_tensors(inp, copy)
+
+    def all_to_all_into(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        dst = _bytes_view(out).view(self.world_size, -1)
+
+        def copy(ins: list[torch.Tensor]) -> None:
+            for s, t in enumerate(ins):
+                dst[s].copy_(_bytes(t).view(self.world_size, -1)[self.rank])
+
+        self._exchange_tensors(inp, copy)
+
+    def barrier(self) -> None:
+        self._world.exchange(self.rank, None)
+
+
+def _bytes_view(t: torch.Tensor) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise ValueError("out: collectives write into contiguous tensors only")
+    return t.view(torch.uint8).view(-1)
+
+
+def run_threads(
+    world_size: int,
+    fn: Callable[[Comm], T],
+    *,
+    device: torch.device | str | None = None,
+    timeout_s: float = 120.0,
+) -> list[T]:
+    """Runs ``fn(comm)`` as ``world_size`` in-process ranks, each on its own stream of ``device``
+    (CUDA) or on the CPU. Returns the ranks' results; re-raises the first rank's exception."""
+    world = ThreadWorld(world_size, timeout_s)
+    results: list[Any] = [None] * world_size
+    errors: list[BaseException | None] = [None] * world_size
+    dev = torch.device(device) if device is not None else None
+
+    def body(rank: int) -> None:
+        try:
+            if dev is not None and dev.type == "cuda":
+                torch.cuda.set_device(dev)
+                with torch.cuda.stream(torch.cuda.Stream(dev)):
+                    results[rank] = fn(ThreadComm(world, rank))
+                    torch.cuda.current_stream().synchronize()
+            else:
+                results[rank] = fn(ThreadComm(world, rank))
+        except BaseException as e:  # surfaced below, with the rank
+            errors[rank] = e
+            world._barrier.abort()
+
+    threads = [threading.Thread(target=body, args=(r,), name=f"cpindex-rank{r}") for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # A rank's own exception beats the BrokenBarrierError it caused in the others.
+    first = next((e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)), None)
+    first = first or next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+    return results
+
+
+def free_port() -> int:
+    """An unused TCP port on the loopback interface, for a local rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _process_entry(rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_processes(
+    world_size: int, fn: Callable[..., None], *args: Any, backend: str = "gloo"
+) -> None:
+    """Runs ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes joined in one
+    ``torch.distributed`` group (loopback rendezvous). ``fn`` must be importable (top level)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(
+        _process_entry,
+        args=(world_size, free_port(), backend, fn, args),
+        nprocs=world_size,
+        join=True,
+    )
