@@ -1,0 +1,157 @@
+"""torch custom ops, so cpindex composes with ``torch.compile`` and graph capture.
+
+* ``cpindex::block_scores``: the fused kernel alone on one device (all heads, all blocks; the
+  reference on CPU). Also the no-CP baseline and the "kernel alone" column of the benchmark.
+* ``cpindex::score_push``: an :class:`~cpindex.IndexCP` call by handle. Custom ops must return
+  fresh tensors, so this returns a copy of the view ``IndexCP.score_push`` returns (one
+  ``rows x width`` float copy); eager code should call ``IndexCP.score_push`` directly.
+
+Both have fake (meta) implementations that only compute output shapes.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from . import formats, reference
+from .api import IndexCP
+from .config import CPIndexConfig
+from .validation import check_call
+
+_instances: weakref.WeakValueDictionary[int, IndexCP] = weakref.WeakValueDictionary()
+_scorers: dict[tuple, object] = {}
+
+
+def _split(index_cache: formats.Cache) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return index_cache if isinstance(index_cache, tuple) else (index_cache, None)
+
+
+def _join(cache: torch.Tensor, scales: torch.Tensor | None) -> formats.Cache:
+    return cache if scales is None else (cache, scales)
+
+
+def _kernel_scorer(device: torch.device, fmt: str, heads: int, sm_scale: float):
+    from .kernels.launcher import ErrorMonitor, KernelScorer
+
+    key = (device, fmt, heads, sm_scale)
+    if key not in _scorers:
+        _scorers[key] = KernelScorer(
+            device, fmt, num_heads=heads, rank=0, world=1, sm_scale=sm_scale,
+            monitor=ErrorMonitor(device, 0),
+        )  # fmt: skip
+    return _scorers[key]
+
+
+@torch.library.custom_op("cpindex::block_scores", mutates_args=())
+def _block_scores(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    scales: torch.Tensor | None,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    init_blocks: int,
+    local_blocks: int,
+    width: int,
+    sm_scale: float,
+) -> torch.Tensor:
+    index_cache = _join(cache, scales)
+    if q.dim() != 3:
+        raise ValueError(f"q: expected [rows, heads, 128], got {list(q.shape)}")
+    rows, heads = q.shape[0], q.shape[1]
+    cfg = CPIndexConfig(
+        num_heads=heads, world_size=1, cache_format=formats.detect_format(index_cache),
+        max_rows=max(1, rows), max_width=max(1, width),
+    )  # fmt: skip
+    check_call(cfg, heads, q.device, q, index_cache, block_table, seq_lens, init_blocks,
+               local_blocks, width)
+    if q.device.type != "cuda":
+        return reference.block_scores(
+            q, index_cache, block_table, seq_lens, init_blocks=init_blocks,
+            local_blocks=local_blocks, width=width, sm_scale=sm_scale,
+        )  # fmt: skip
+    scorer = _kernel_scorer(q.device, formats.detect_format(index_cache), heads, sm_scale)
+    scorer.monitor.check()
+    out = torch.empty(heads, rows, width, device=q.device)
+    scorer.score_local(
+        q, index_cache, block_table, seq_lens, out,
+        init_blocks=init_blocks, local_blocks=local_blocks, width=width,
+    )  # fmt: skip
+    return out
+
+
+@_block_scores.register_fake
+def _(q, cache, scales, block_table, seq_lens, init_blocks, local_blocks, width, sm_scale):
+    return q.new_empty((q.shape[1], q.shape[0], width), dtype=torch.float32)
+
+
+def block_scores(
+    q: torch.Tensor,
+    index_cache: formats.Cache,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    init_blocks: int = 0,
+    local_blocks: int = 1,
+    width: int | None = None,
+    sm_scale: float = 128**-0.5,
+) -> torch.Tensor:
+    """All heads' scores ``[H, rows, width]`` on one device: the fused kernel on GPU, the
+    reference on CPU. ``q`` is ``[rows, H, 128]`` (H <= 8). Inputs are validated like
+    ``score_push``'s. Inside ``torch.compile`` call ``torch.ops.cpindex.block_scores`` with the
+    same arguments (cache and nvfp4 scales as two tensors, scales ``None`` otherwise)."""
+    cache, scales = _split(index_cache)
+    width = block_table.shape[1] if width is None else width
+    return torch.ops.cpindex.block_scores(
+        q, cache, scales, block_table, seq_lens, init_blocks, local_blocks, width, float(sm_scale)
+    )
+
+
+@torch.library.custom_op("cpindex::score_push", mutates_args=())
+def _score_push(
+    handle: int,
+    iq: torch.Tensor,
+    cache: torch.Tensor,
+    scales: torch.Tensor | None,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    init_blocks: int,
+    local_blocks: int,
+    width: int,
+) -> torch.Tensor:
+    cp = _instances[handle]
+    out = cp.score_push(iq, _join(cache, scales), block_table, seq_lens, init_blocks,
+                        local_blocks, width)
+    return out.clone()
+
+
+@_score_push.register_fake
+def _(handle, iq, cache, scales, block_table, seq_lens, init_blocks, local_blocks, width):
+    hpr = _instances[handle].heads_per_rank
+    return iq.new_empty((hpr, iq.shape[0], width), dtype=torch.float32)
+
+
+def score_push(
+    cp: IndexCP,
+    iq: torch.Tensor,
+    index_cache: formats.Cache,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    init_blocks: int = 0,
+    local_blocks: int = 1,
+    width: int | None = None,
+) -> torch.Tensor:
+    """``cp.score_push(...)`` as a custom op (returns a copy). Inside ``torch.compile`` call
+    ``torch.ops.cpindex.score_push(handle(cp), ...)`` with the handle taken outside."""
+    cache, scales = _split(index_cache)
+    width = block_table.shape[1] if width is None else width
+    return torch.ops.cpindex.score_push(
+        handle(cp), iq, cache, scales, block_table, seq_lens, init_blocks, local_blocks, width
+    )
+
+
+def handle(cp: IndexCP) -> int:
+    """An int naming ``cp`` for the ``cpindex::score_push`` op (kept while ``cp`` lives)."""
+    _instances[id(cp)] = cp
+    return id(cp)

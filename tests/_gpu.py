@@ -1,0 +1,46 @@
+"""Helpers shared by the GPU tests (skipped cleanly on machines without a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cpindex import partition, reference, testing
+
+HAS_GPU = torch.cuda.is_available()
+needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA/ROCm GPU")
+FORMATS = ["bf16", "fp8", "nvfp4"]
+
+
+def needs_gpus(n: int):
+    count = torch.cuda.device_count() if HAS_GPU else 0
+    return pytest.mark.skipif(count < n, reason=f"needs {n} GPUs, found {count}")
+
+
+def expected(prob: testing.Problem, init: int, local: int, sm_scale: float = 128**-0.5):
+    """All heads' reference scores ``[H, rows, width]`` on the problem's device."""
+    return reference.block_scores(
+        prob.q, prob.index_cache, prob.block_table, prob.seq_lens,
+        init_blocks=init, local_blocks=local, width=prob.width, sm_scale=sm_scale,
+    )  # fmt: skip
+
+
+def for_rank(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    return full[partition.heads_of_rank(rank, full.shape[0], world)]
+
+
+def assert_scores(got: torch.Tensor, want: torch.Tensor, rel: float = 1e-5) -> None:
+    """Equal forcing/-inf pattern; scanned scores within ``rel`` of each row's largest |score|.
+
+    Every product the kernel forms is exact (bf16 x bf16, and fp8/fp4 values widened exactly to
+    f16), so the only error is fp32 summation order against the float64 reference.
+    """
+    assert got.shape == want.shape, (got.shape, want.shape)
+    assert not torch.isnan(got).any(), "NaN in output (unwritten poisoned element?)"
+    forced = ~torch.isfinite(want) | (want.abs() >= 1e29)
+    assert torch.equal(got[forced], want[forced]), "forced / -inf columns differ"
+    scanned = torch.where(forced, torch.zeros_like(want), want)
+    row_max = scanned.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
+    err = ((got - want).abs() / row_max)[~forced]
+    worst = err.max().item() if err.numel() else 0.0
+    assert worst <= rel, f"max relative error {worst:.3e} > {rel:.1e}"

@@ -1,0 +1,132 @@
+"""The fused kernel alone (local mode, one device) against the reference, on fresh random data.
+
+Runs on a GPU only. Every case poisons the output first (the op allocates; the in-place path is
+covered by the transport tests) and checks forced columns exactly and scanned ones within 1e-5
+of the row's largest |score|.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _gpu import FORMATS, assert_scores, expected, needs_gpu
+
+from cpindex import BadBlockTableError, formats, ops, testing
+from cpindex.kernels import launcher
+
+pytestmark = [needs_gpu, pytest.mark.gpu]
+
+CASES = [
+    # rows, max_len, init, local, extra width
+    (1, 1, 0, 1, 0),
+    (1, 129, 0, 1, 3),
+    (3, 1000, 0, 0, 0),
+    (5, 4096 + 77, 1, 1, 5),
+    (7, 20_000, 2, 3, 0),
+    (64, 8_192, 0, 1, 0),
+    (2, 256 * 1024, 0, 1, 0),
+]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"r{c[0]}-len{c[1]}-i{c[2]}l{c[3]}")
+def test_kernel_matches_reference(fmt, case):
+    rows, max_len, init, local, extra = case
+    prob = testing.make_problem(rows, max_len, fmt, seed=hash(case) % 1000, device="cuda")
+    prob.width += extra
+    got = ops.block_scores(prob.q, prob.index_cache, prob.block_table, prob.seq_lens,
+                           init_blocks=init, local_blocks=local, width=prob.width)
+    assert_scores(got, expected(prob, init, local))
+
+
+def test_nvfp4_pair_equals_product_layout():
+    prob = testing.make_problem(6, 3000, "nvfp4", seed=7, device="cuda")
+    pair = formats.to_nvfp4_pair(prob.index_cache)
+    a = ops.block_scores(prob.q, prob.index_cache, prob.block_table, prob.seq_lens)
+    b = ops.block_scores(prob.q, pair, prob.block_table, prob.seq_lens)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("heads", [1, 2, 8])
+def test_head_counts(heads):
+    prob = testing.make_problem(4, 5000, "fp8", num_heads=heads, seed=heads, device="cuda")
+    got = ops.block_scores(prob.q, prob.index_cache, prob.block_table, prob.seq_lens)
+    assert_scores(got, expected(prob, 0, 1))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_portable_path_matches(fmt):
+    """The scalar path AMD runs (CP_PORTABLE), built and run on this GPU."""
+    prob = testing.make_problem(9, 7000, fmt, seed=11, device="cuda")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    mon = launcher.ErrorMonitor(dev, 0)
+    scorer = launcher.KernelScorer(dev, fmt, num_heads=4, rank=0, world=1,
+                                   sm_scale=128**-0.5, monitor=mon, portable=True)
+    out = torch.full((4, prob.rows, prob.width), float("nan"), device="cuda")
+    scorer.score_local(prob.q, prob.index_cache, prob.block_table, prob.seq_lens, out,
+                       init_blocks=1, local_blocks=1, width=prob.width)
+    assert_scores(out, expected(prob, 1, 1))
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_shard_mode_covers_rank_columns(world):
+    """Local shard mode (what 'collective' runs): rank r's columns j = r + W*k at column k."""
+    prob = testing.make_problem(5, 9000, "nvfp4", seed=world, device="cuda")
+    full = expected(prob, 0, 1)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    mon = launcher.ErrorMonitor(dev, 0)
+    for rank in range(world):
+        sc = launcher.KernelScorer(dev, "nvfp4", num_heads=4, rank=rank, world=world,
+                                   sm_scale=128**-0.5, monitor=mon)
+        kw = -(-prob.width // world)
+        out = torch.full((4, prob.rows, kw), float("nan"), device="cuda")
+        sc.score_local(prob.q, prob.index_cache, prob.block_table, prob.seq_lens, out,
+                       init_blocks=0, local_blocks=1, width=prob.width, shard=True)
+        cols = torch.arange(rank, prob.width, world)
+        assert_scores(out[:, :, : cols.numel()], full[:, :, cols])
+
+
+def test_bad_page_is_reported_not_read():
+    prob = testing.make_problem(3, 2000, "fp8", seed=3, device="cuda")
+    prob.block_table[1, 2] = 10**6
+    ops.block_scores(prob.q, prob.index_cache, prob.block_table, prob.seq_lens)
+    torch.cuda.synchronize()
+    with pytest.raises(BadBlockTableError, match="row 1, column 2"):
+        ops.block_scores(prob.q, prob.index_cache, prob.block_table, prob.seq_lens)
+    ops._scorers.clear()  # the error word is sticky for that scorer
+
+
+def test_graph_capture_replays_with_new_inputs():
+    """Grid and parameters come from static sizes only: capture once, change seq_lens /
+    block_table / q in place, replay, and match the reference each time."""
+    rows, max_len = 6, 6000
+    base = testing.make_problem(rows, max_len, "nvfp4", seed=1, device="cuda")
+    q, bt, sl = base.q.clone(), base.block_table.clone(), base.seq_lens.clone()
+    cache = base.index_cache
+    ops.block_scores(q, cache, bt, sl, width=base.width)  # build + warm up outside capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = ops.block_scores(q, cache, bt, sl, width=base.width)
+    gen = torch.Generator().manual_seed(5)
+    for step in range(5):
+        new = testing.make_problem(rows, max_len, "nvfp4", seed=100 + step, device="cuda")
+        q.copy_(new.q)
+        sl.copy_(testing.random_lengths(rows, max_len, gen).cuda())
+        bt.copy_(torch.randperm(bt.numel(), generator=gen).view_as(bt).cuda().int() % cache.shape[0])
+        out.fill_(float("nan"))
+        g.replay()
+        want = testing.Problem(q, cache, bt, sl, base.width, "nvfp4")
+        assert_scores(out, expected(want, 0, 1))
+
+
+def test_torch_compile_traces_the_op():
+    prob = testing.make_problem(3, 2000, "bf16", seed=2, device="cuda")
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def f(q, cache, bt, sl):
+        return torch.ops.cpindex.block_scores(q, cache, None, bt, sl, 0, 1, 16, 128**-0.5) * 2
+
+    out = f(prob.q, prob.index_cache, prob.block_table, prob.seq_lens)
+    prob.width = 16
+    assert_scores(out / 2, expected(prob, 0, 1))

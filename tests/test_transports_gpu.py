@@ -1,0 +1,241 @@
+"""Transports on one GPU: the one-process W-rank world (one thread and stream per rank).
+
+This is the same kernel and handshake as the multi-GPU path; only the peers' buffers are plain
+allocations of the shared GPU. Covers: ipc == collective bit for bit and == reference, many
+consecutive calls with changing shapes, graph capture and replay, the late-peer timeout and
+recovery, and a cross-process IPC mapping (no spin).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _gpu import FORMATS, assert_scores, expected, for_rank, needs_gpu
+
+from cpindex import CPIndexConfig, IndexCP, PeerTimeoutError, testing
+from cpindex.world import Comm, run_threads, spawn_processes
+
+pytestmark = [needs_gpu, pytest.mark.gpu]
+DEV = "cuda:0"
+
+
+def _world(world: int, fn, **cfg_kw):
+    cfg = CPIndexConfig(**{"max_rows": 32, "max_width": 256, **cfg_kw})
+
+    def body(comm: Comm):
+        with IndexCP(cfg, device=DEV, comm=comm) as cp:
+            return fn(cp, comm)
+
+    return run_threads(world, body, device=DEV)
+
+
+def _problems(fmt, n, seed, num_heads=4, max_rows=32, max_len=256 * 128):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        rows = int(torch.randint(1, max_rows + 1, (1,), generator=gen))
+        rows = [1, max_rows][i] if i < 2 else rows
+        max_len_i = int(torch.randint(1, max_len + 1, (1,), generator=gen))
+        p = testing.make_problem(rows, max_len_i, fmt, num_heads=num_heads, seed=seed * 100 + i,
+                                 device=DEV)
+        p.width = min(256, p.width + int(torch.randint(0, 4, (1,), generator=gen)))
+        out.append(p)
+    return out
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("world", [2, 4])
+def test_ipc_matches_collective_and_reference(fmt, world):
+    probs = _problems(fmt, 6, seed=world)
+    refs = [expected(p, 0, 1) for p in probs]
+
+    def job(cp, comm):
+        outs = []
+        for p in probs:
+            out = cp.score_push(p.rank_queries(comm.rank, comm.world_size), p.index_cache,
+                                p.block_table, p.seq_lens, 0, 1, p.width)
+            outs.append(out.clone())
+            out.fill_(float("nan"))  # poison: the next call must rewrite everything it returns
+        return cp.transport_name, outs
+
+    ipc = _world(world, job, transport="ipc", cache_format=fmt)
+    coll = _world(world, job, transport="collective", cache_format=fmt)
+    for rank in range(world):
+        assert ipc[rank][0] == "ipc" and coll[rank][0] == "collective"
+        for p, ref, a, b in zip(probs, refs, ipc[rank][1], coll[rank][1], strict=True):
+            assert torch.equal(a, b), "ipc and collective differ"
+            assert_scores(a, for_rank(ref, rank, world))
+
+
+def test_replicated_heads_and_pair_layout():
+    """num_heads=2 on 4 ranks: head h lands on ranks h and h+2; nvfp4 as (packed, scales)."""
+    probs = _problems("nvfp4", 3, seed=9, num_heads=2)
+    from cpindex import formats
+
+    for p in probs:
+        p.index_cache = formats.to_nvfp4_pair(p.index_cache)
+
+    def job(cp, comm):
+        return [cp.score_push(p.rank_queries(comm.rank, 4), p.index_cache, p.block_table,
+                              p.seq_lens).clone() for p in probs]
+
+    res = _world(4, job, transport="ipc", num_heads=2)
+    for rank in range(4):
+        for p, got in zip(probs, res[rank], strict=True):
+            assert_scores(got, for_rank(expected(p, 0, 1), rank, 4))
+
+
+def test_auto_picks_ipc_on_one_gpu():
+    res = _world(4, lambda cp, comm: cp.transport_name)
+    assert res == ["ipc"] * 4
+
+
+def test_many_consecutive_calls_stay_correct():
+    """10,000 calls per rank cycling through changing shapes; every output is compared on the
+    device, bit for bit, with the first pass (itself checked against the reference); outputs
+    are poisoned between calls."""
+    probs = _problems("fp8", 8, seed=21, max_len=64 * 128)
+    calls = 10_000
+
+    def job(cp, comm):
+        qs = [p.rank_queries(comm.rank, 4) for p in probs]
+        args = [(p.index_cache, p.block_table, p.seq_lens, 0, 1, p.width) for p in probs]
+        first = [cp.score_push(q, *a).clone() for q, a in zip(qs, args, strict=True)]
+        bad = torch.zeros((), dtype=torch.int64, device=DEV)
+        for i in range(calls):
+            k = i % len(probs)
+            out = cp.score_push(qs[k], *args[k])
+            bad += (out != first[k]).sum()
+            out.fill_(float("nan"))
+        return first, int(bad)
+
+    res = _world(4, job, transport="ipc", check_lengths=False)
+    for rank, (first, bad) in enumerate(res):
+        assert bad == 0, f"rank {rank}: {bad} elements changed across {calls} calls"
+        for p, got in zip(probs, first, strict=True):
+            assert_scores(got, for_rank(expected(p, 0, 1), rank, 4))
+
+
+def test_graph_capture_replays_handshake():
+    """Each rank captures 3 calls of different shapes in one graph, then 1,000 replays with
+    q / seq_lens / block_table changed in place; counts on the device keep the handshake in
+    step. Spot checks against the reference."""
+    fmt, replays, n_var = "nvfp4", 1000, 4
+    shapes = [(1, 8), (5, 20), (17, 32)]  # rows, blocks
+    gen = torch.Generator().manual_seed(3)
+    base = [testing.make_problem(r, b * 128, fmt, seed=i, device=DEV)
+            for i, (r, b) in enumerate(shapes)]
+    pages = [p.index_cache.shape[0] for p in base]
+    var = [[(testing.make_problem(r, b * 128, fmt, seed=50 + 3 * v + i).q.to(DEV),
+             testing.random_lengths(r, b * 128, gen).to(DEV),
+             torch.randint(0, pages[i], (r, b), generator=gen, dtype=torch.int32).to(DEV))
+            for i, (r, b) in enumerate(shapes)] for v in range(n_var)]
+    want = [[expected(testing.Problem(q, base[i].index_cache, bt, sl, base[i].width, fmt), 0, 1)
+             for i, (q, sl, bt) in enumerate(vs)] for vs in var]
+
+    def job(cp, comm):
+        r = comm.rank
+        st = [(p.rank_queries(r, 4).clone(), p.block_table.clone(), p.seq_lens.clone())
+              for p in base]
+        for (q, bt, sl), p in zip(st, base, strict=True):  # warm up outside capture
+            cp.score_push(q, p.index_cache, bt, sl, 0, 1, p.width)
+        torch.cuda.current_stream().synchronize()
+        comm.barrier()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, capture_error_mode="thread_local"):
+            outs = [cp.score_push(q, p.index_cache, bt, sl, 0, 1, p.width).clone()
+                    for (q, bt, sl), p in zip(st, base, strict=True)]
+        comm.barrier()
+        for i in range(replays):
+            v = i % n_var
+            for (q, bt, sl), (vq, vsl, vbt) in zip(st, var[v], strict=True):
+                q.copy_(vq[:, r : r + 1])
+                sl.copy_(vsl)
+                bt.copy_(vbt)
+            for o in outs:
+                o.fill_(float("nan"))
+            g.replay()
+            if i % 97 == 0 or i == replays - 1:
+                for o, w in zip(outs, want[v], strict=True):
+                    assert_scores(o, for_rank(w, r, 4))
+        return True
+
+    assert _world(4, job, transport="ipc", check_lengths=False) == [True] * 4
+
+
+def test_late_peer_times_out_names_it_and_recovers():
+    probs = _problems("fp8", 2, seed=5, max_len=16 * 128)
+
+    def job(cp, comm):
+        p = probs[0]
+        q = p.rank_queries(comm.rank, 4)
+        args = (p.index_cache, p.block_table, p.seq_lens, 0, 1, p.width)
+        cp.score_push(q, *args)
+        torch.cuda.current_stream().synchronize()
+        comm.barrier()
+        if comm.rank != 3:  # rank 3 skips this call
+            cp.score_push(q, *args)
+            torch.cuda.current_stream().synchronize()
+        comm.barrier()
+        err = None
+        try:
+            cp.check()
+        except PeerTimeoutError as e:
+            err = (e.peer, e.phase, str(e))
+        cp.reset()
+        out = cp.score_push(q, *args).clone()
+        torch.cuda.current_stream().synchronize()
+        return err, out
+
+    res = _world(4, job, transport="ipc", timeout_s=0.5, check_lengths=False)
+    ref = expected(probs[0], 0, 1)
+    for rank, (err, out) in enumerate(res):
+        if rank == 3:
+            assert err is None
+        else:
+            assert err is not None and err[0] == 3 and err[1] == "queries", err
+            assert "rank 3" in err[2] and "timed out" in err[2]
+        assert_scores(out, for_rank(ref, rank, 4))
+
+
+def _ipc_pair(rank: int, world: int, path: str) -> None:
+    """Process 0 exports a buffer; process 1 maps it and writes through the real kernel."""
+    import torch.distributed as dist
+
+    from cpindex import kernels
+    from cpindex.kernels import launcher
+    from cpindex.transports.peer import view_bytes
+
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    mod = kernels.load(dev)
+    prob = testing.make_problem(2, 1500, "fp8", seed=1, device=dev)
+    nbytes = 4 * prob.rows * prob.width * 4
+    if rank == 0:
+        ptr = mod.peer_malloc(nbytes, 0)
+        view_bytes(ptr, nbytes, dev).view(torch.float32).fill_(float("nan"))
+        torch.cuda.synchronize()
+        dist.broadcast_object_list([mod.ipc_handle(ptr, 0)], src=0)
+        dist.barrier()  # rank 1 has written
+        got = view_bytes(ptr, nbytes, dev).view(torch.float32).view(4, prob.rows, prob.width)
+        assert_scores(got.clone(), expected(prob, 0, 1))
+        dist.barrier()
+        mod.peer_free(ptr, 0)
+    else:
+        h = [None]
+        dist.broadcast_object_list(h, src=0)
+        peer = mod.ipc_open(h[0], 0)
+        mon = launcher.ErrorMonitor(dev, 1)
+        sc = launcher.KernelScorer(dev, "fp8", num_heads=4, rank=0, world=1, sm_scale=128**-0.5,
+                                   monitor=mon)
+        out = view_bytes(peer, nbytes, dev).view(torch.float32).view(4, prob.rows, prob.width)
+        sc.score_local(prob.q, prob.index_cache, prob.block_table, prob.seq_lens, out,
+                       init_blocks=0, local_blocks=1, width=prob.width)
+        torch.cuda.synchronize()
+        dist.barrier()
+        dist.barrier()
+        mod.ipc_close(peer, 0)
+
+
+def test_cross_process_ipc_write_lands(tmp_path):
+    spawn_processes(2, _ipc_pair, str(tmp_path), backend="gloo")
