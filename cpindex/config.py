@@ -58,11 +58,6 @@ class CPIndexConfig(BaseModel):
     prefer_mori: bool = Field(
         False, description="Let 'auto' pick 'mori' when MORI is usable on every rank."
     )
-    check_lengths: bool = Field(
-        True,
-        description="Check width and block_table against max(seq_lens) each call (a device "
-        "sync when seq_lens is on the GPU; skipped during graph capture).",
-    )
     ipc_self_test: bool = Field(
         True, description="Check at construction that peer writes really land (IOMMU, P2P)."
     )

@@ -12,7 +12,7 @@ import torch
 
 def owned_columns(rank: int, world: int, width: int) -> torch.Tensor:
     """Score columns (logical block indices) rank ``rank`` computes, as int64 ``[k]``."""
-    return torch.arange(rank, width, world, dtype=torch.int64)
+    return torch.arange(min(rank, width), width, world, dtype=torch.int64)
 
 
 def shard_width(width: int, world: int) -> int:

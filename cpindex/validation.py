@@ -1,9 +1,11 @@
 """Input checks of ``score_push``: the one place they live, run before anything is launched.
 
-Transports trust what reaches them. Shape, dtype, device and size checks are host-only. The
-length checks (``width`` and ``block_table`` wide enough for the longest row) read ``seq_lens``:
-free when it is on the CPU, a device sync otherwise, so they run when ``config.check_lengths`` is
-on and the stream is not being captured; the kernel guards the table bound on its own anyway.
+Transports trust what reaches them. Shape, dtype, device and size checks are host-only and run
+on every call. Checks that read tensor *contents* (``width`` and ``block_table`` wide enough for
+the longest row, page indices inside the cache) run here only when the tensors are on the CPU,
+where they are free. On a GPU they would cost a device sync per call and break graph capture,
+so the fused kernel makes them instead and records a failure in its error word, which the next
+call (or :meth:`cpindex.IndexCP.check`) raises as :class:`~cpindex.BadBlockTableError`.
 """
 
 from __future__ import annotations
@@ -76,13 +78,14 @@ def check_call(
         raise TypeError(
             f"iq: expected {qdt} for cache_format '{cfg.cache_format}', got {_desc(iq)}"
         )
+    given = iq
     if iq.dim() == 2 and heads_per_rank == 1:
         iq = iq.unsqueeze(1)
     if iq.dim() != 3 or iq.shape[1:] != (heads_per_rank, cfg.head_dim):
         raise ValueError(
             f"iq: expected [rows, {heads_per_rank}, {cfg.head_dim}]"
             + (f" or [rows, {cfg.head_dim}]" if heads_per_rank == 1 else "")
-            + f", got {_desc(iq)}"
+            + f", got {_desc(given)}"
         )
     if not iq.is_contiguous():
         raise ValueError(f"iq: expected a contiguous tensor, got strides {iq.stride()}")
@@ -124,17 +127,41 @@ def check_call(
     local_blocks = _count("local_blocks", local_blocks, 0)
     width = _count("width", width, 1, cfg.max_width)
 
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if cfg.check_lengths and not capturing:
-        longest = int(seq_lens.max())
-        need = -(-longest // cfg.block_size)
-        if need > width:
-            raise ValueError(
-                f"width: the longest row ({longest} tokens) needs {need} columns, got width={width}"
-            )
-        if need > block_table.shape[1]:
-            raise ValueError(
-                f"block_table: the longest row ({longest} tokens) needs {need} blocks, "
-                f"got max_blocks={block_table.shape[1]}"
-            )
+    if seq_lens.device.type == "cpu":
+        _check_contents(cfg, index_cache, block_table, seq_lens, init_blocks, local_blocks, width)
     return Call(iq, index_cache, block_table, seq_lens, init_blocks, local_blocks, width)
+
+
+def _check_contents(
+    cfg: CPIndexConfig,
+    index_cache: formats.Cache,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    init_blocks: int,
+    local_blocks: int,
+    width: int,
+) -> None:
+    """Checks that read CPU tensors' contents (see the module docstring)."""
+    longest = int(seq_lens.max())
+    need = -(-longest // cfg.block_size)
+    if need > width:
+        raise ValueError(
+            f"width: the longest row ({longest} tokens) needs {need} columns, got width={width}"
+        )
+    if need > block_table.shape[1]:
+        raise ValueError(
+            f"block_table: the longest row ({longest} tokens) needs {need} blocks, "
+            f"got max_blocks={block_table.shape[1]}"
+        )
+    pages = (index_cache[0] if isinstance(index_cache, tuple) else index_cache).shape[0]
+    n = (seq_lens.to(torch.int64) + cfg.block_size - 1) // cfg.block_size
+    j = torch.arange(block_table.shape[1])
+    scanned = (j < (n - local_blocks).unsqueeze(1)) & (j >= init_blocks)
+    used = block_table[scanned]
+    bad = (used < 0) | (used >= pages)
+    if bad.any():
+        row, col = scanned.nonzero()[bad.nonzero()[0, 0]].tolist()
+        raise ValueError(
+            f"block_table: row {row}, block {col} names page {int(block_table[row, col])}, "
+            f"outside index_cache's {pages} pages"
+        )

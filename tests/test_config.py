@@ -27,7 +27,6 @@ def test_defaults_match_the_seed_deployment():
     assert c.timeout_s == 10.0
     assert c.error_check == "next_call"
     assert c.prefer_mori is False
-    assert c.check_lengths is True
     assert c.ipc_self_test is True
 
 
@@ -47,7 +46,9 @@ def test_heads_and_world_must_divide(heads, world):
         CPIndexConfig(num_heads=heads, world_size=world)
 
 
-@pytest.mark.parametrize(("heads", "world"), [(4, 1), (4, 2), (4, 4), (4, 8), (2, 4), (1, 3), (8, 2)])
+@pytest.mark.parametrize(
+    ("heads", "world"), [(4, 1), (4, 2), (4, 4), (4, 8), (2, 4), (1, 3), (8, 2)]
+)
 def test_heads_and_world_that_divide_are_accepted(heads, world):
     assert CPIndexConfig(num_heads=heads, world_size=world).world_size == world
 
@@ -119,7 +120,6 @@ def test_from_env_reads_prefixed_variables():
         "CPINDEX_MAX_WIDTH": "64",
         "CPINDEX_SM_SCALE": "0.25",
         "CPINDEX_PREFER_MORI": "true",
-        "CPINDEX_CHECK_LENGTHS": "0",
         "CPINDEX_WORLD_SIZE": "none",
         "CPINDEX_NUM_HEADS": "2",
         "PATH": "/usr/bin",  # not ours: ignored
@@ -132,7 +132,6 @@ def test_from_env_reads_prefixed_variables():
     assert c.max_width == 64
     assert c.sm_scale == 0.25
     assert c.prefer_mori is True
-    assert c.check_lengths is False
     assert c.world_size is None
     assert c.num_heads == 2
 
@@ -195,7 +194,6 @@ _CUSTOM = dict(
     timeout_s=3.5,
     error_check="sync",
     prefer_mori=True,
-    check_lengths=False,
     ipc_self_test=False,
 )
 
@@ -258,7 +256,7 @@ def test_with_world_size_binds_and_revalidates():
 
 def test_with_world_size_mismatch_message():
     with pytest.raises(
-        ValueError, match="config.world_size is 2 but the process group has 4 ranks"
+        ValueError, match=r"config\.world_size is 2 but the process group has 4 ranks"
     ):
         CPIndexConfig(world_size=2).with_world_size(4)
 

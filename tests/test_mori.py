@@ -94,7 +94,7 @@ def test_probe_on_cpu_says_why():
 
 def test_auto_offers_mori_only_when_preferred():
     assert "mori" not in candidates(CPIndexConfig())
-    assert candidates(CPIndexConfig(prefer_mori=True)) == ["ipc", "mori", "collective"]
+    assert candidates(CPIndexConfig(prefer_mori=True)) == ["mori", "ipc", "collective"]
     assert candidates(CPIndexConfig(transport="mori")) == ["mori"]
 
 

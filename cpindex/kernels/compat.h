@@ -180,9 +180,8 @@ CP_DEVICE uint32_t cp_hmul2(uint32_t a, uint32_t b) {
 }
 
 // ---- fp8 (e4m3) and fp4 (e2m1) to f16 ----------------------------------------------------------
-// Two e4m3 bytes (low byte = first element) -> f16x2, times CP_FP8_UNIT.
+// Two e4m3 bytes (low byte = first element) -> f16x2, exactly.
 #if CP_NATIVE_FP8
-#define CP_FP8_UNIT 1.0f
 CP_DEVICE uint32_t cp_e4m3x2_to_f16x2(uint32_t two_bytes) {
   uint32_t d;
   asm("{.reg .b16 t; cvt.u16.u32 t, %1; cvt.rn.f16x2.e4m3x2 %0, t;}" : "=r"(d) : "r"(two_bytes));
@@ -190,13 +189,12 @@ CP_DEVICE uint32_t cp_e4m3x2_to_f16x2(uint32_t two_bytes) {
 }
 #else
 // Portable: put the 7 magnitude bits of e4m3 into f16's exponent/mantissa at bits 7..13. That is
-// the same number scaled by 2^-8 for normals and subnormals alike (both formats' subnormal steps
-// line up), so the result is exact; the kernel folds 2^8 into its final scale. Never NaN: the
-// cache holds finite values only (quantize rejects non-finite input).
-#define CP_FP8_UNIT (1.0f / 256.0f)
+// the same number times 2^-8 for normals and subnormals alike (both formats' subnormal steps line
+// up); one exact f16x2 multiply by 256 (0x5C00) restores it. Never NaN: the cache holds finite
+// values only (quantize rejects non-finite input).
 CP_DEVICE uint32_t cp_e4m3x2_to_f16x2(uint32_t two_bytes) {
-  uint32_t x = (two_bytes & 0xffu) | ((two_bytes & 0xff00u) << 8);
-  return ((x & 0x00800080u) << 8) | ((x & 0x007f007fu) << 7);
+  const uint32_t x = (two_bytes & 0xffu) | ((two_bytes & 0xff00u) << 8);
+  return cp_hmul2(((x & 0x00800080u) << 8) | ((x & 0x007f007fu) << 7), 0x5c005c00u);
 }
 #endif
 

@@ -23,6 +23,7 @@ enum ErrorCode : uint32_t {
   kErrTimeoutQueries = 1,  // waited too long for a peer's query rows
   kErrTimeoutScores = 2,   // waited too long for a peer's scores
   kErrBadPage = 3,         // block_table held a page index outside the cache
+  kErrWidth = 4,           // a row needs more blocks than width or block_table provides
 };
 
 // Lives in host-mapped pinned memory so the host reads it without a device sync.

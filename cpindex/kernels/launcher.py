@@ -46,6 +46,11 @@ class ErrorMonitor:
                 f"rank {w.rank}: block_table row {w.peer}, column {w.detail} names a page "
                 f"outside index_cache (or a column past block_table's width); those scores are NaN"
             )
+        if w.code == structs.ERR_WIDTH:
+            raise BadBlockTableError(
+                f"rank {w.rank}: row {w.peer} needs {w.detail} blocks (seq_lens), more than "
+                "width or block_table's max_blocks; its scores past them are missing"
+            )
         phase = PHASES.get(w.code, f"code {w.code}")
         raise PeerTimeoutError(
             f"rank {w.rank}: call {w.call} timed out waiting for rank {w.peer}'s {phase} "

@@ -372,6 +372,8 @@ __global__ void __launch_bounds__(kThreads) score_kernel(const ScoreParams p, co
       const int j = p.rank + k * p.world;
       const int len = p.seq_lens[i];
       const int n = len > 0 ? (len + kPageTokens - 1) / kPageTokens : 0;
+      if (k == 0 && lane == 0 && (n > p.width || n > p.bt_cols))  // checked once per row
+        report(p, kErrWidth, (uint32_t)i, call, (uint64_t)n);
       float v0, v1;
       if (j >= n) {
         v0 = v1 = ninf;

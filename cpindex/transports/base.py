@@ -88,10 +88,10 @@ def register(cls: type[Transport]) -> type[Transport]:
 
 def candidates(config: CPIndexConfig) -> list[str]:
     """Transports to try, in order. ``auto``: ``ipc`` (fastest on one node with peer access),
-    ``mori`` only when ``prefer_mori`` is set, then ``collective`` (always works)."""
+    then ``collective`` (always works); with ``prefer_mori`` set, ``mori`` is tried first."""
     if config.transport != "auto":
         return [config.transport]
-    return ["ipc", *(["mori"] if config.prefer_mori else []), "collective"]
+    return [*(["mori"] if config.prefer_mori else []), "ipc", "collective"]
 
 
 def select(ctx: Context) -> Transport:

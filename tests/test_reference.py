@@ -1,0 +1,289 @@
+"""Tests for cpindex.reference against a brute-force oracle written straight from SPEC §3."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+
+from cpindex import formats, partition, reference, testing
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+# --------------------------------------------------------------------------- the oracle
+
+
+def _oracle_keys(cache, fmt: str) -> torch.Tensor:
+    """Keys as float64 [pages, 128, 128], decoded independently of cpindex.formats (SPEC §4)."""
+    if fmt in ("bf16", "fp8"):
+        return cache.double()
+    if isinstance(cache, tuple):
+        packed, scales = cache
+    else:  # product layout: 8192 value bytes (64 per token), then 1024 scale bytes (8 per token)
+        packed = cache[:, :8192].reshape(-1, 128, 64)
+        scales = cache[:, 8192:].reshape(-1, 128, 8)
+    scale = scales.view(torch.uint8).view(torch.float8_e4m3fn).double()  # [p, 128, 8]
+    lut = torch.tensor(E2M1 + tuple(-v for v in E2M1), dtype=torch.float64)
+    lo = lut[(packed & 0xF).long()]  # element 2i: low nibble of byte i
+    hi = lut[(packed >> 4).long()]  # element 2i + 1
+    vals = torch.stack([lo, hi], dim=-1).reshape(-1, 128, 128)
+    return vals * scale.repeat_interleave(16, dim=-1)
+
+
+def oracle(q, cache, table, lens, *, init, local, width, sm_scale=128**-0.5):
+    """Loop over rows, heads and columns applying SPEC §3's rules in the stated order."""
+    fmt = formats.detect_format(cache)
+    keys = _oracle_keys(cache, fmt)
+    qd = q.double() if q.dim() == 3 else q.double().unsqueeze(1)
+    rows, heads, _ = qd.shape
+    out = torch.empty(heads, rows, width, dtype=torch.float64)
+    for i in range(rows):
+        seq = int(lens[i])
+        n = math.ceil(seq / 128)
+        for h in range(heads):
+            for j in range(width):
+                if j >= n:
+                    v = -math.inf
+                elif j >= n - local:
+                    v = 1e29
+                elif j < init:
+                    v = 1e30
+                else:
+                    page = int(table[i, j])
+                    valid = min(128, seq - j * 128)  # tokens t of block j with t < seq
+                    assert valid >= 1
+                    dots = keys[page, :valid] @ qd[i, h]
+                    v = float(dots.max()) * sm_scale
+                out[h, i, j] = v
+    return out.float()
+
+
+def _scores(prob, init, local, width=None, **kw):
+    args = (prob.q, prob.index_cache, prob.block_table, prob.seq_lens)
+    w = width or prob.width
+    got = reference.block_scores(*args, init_blocks=init, local_blocks=local, width=w, **kw)
+    want = oracle(*args, init=init, local=local, width=w, **kw)
+    return got, want
+
+
+def _assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == torch.float32
+    assert got.shape == want.shape
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    assert torch.equal(got, want), (got - want).abs().nan_to_num(0).max()
+
+
+# --------------------------------------------------------------------------- block_scores
+
+FORMATS = ["bf16", "fp8", "nvfp4", "nvfp4-pair"]
+LENGTHS = [1, 127, 128, 129, 255, 256, 300, 641, 1000]  # partial and full last blocks
+
+
+def _problem(fmt: str, lengths, seed: int, num_heads: int = 4, width=None):
+    base = fmt.removesuffix("-pair")
+    return testing.make_problem(
+        len(lengths),
+        max(lengths),
+        base,
+        num_heads=num_heads,
+        seed=seed,
+        lengths=torch.tensor(lengths),
+        nvfp4_pair=fmt.endswith("-pair"),
+        width=width,
+    )
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(("init", "local"), [(0, 1), (1, 1), (2, 3), (0, 0)])
+def test_block_scores_matches_oracle(fmt, init, local):
+    prob = _problem(fmt, LENGTHS, seed=init * 10 + local)
+    if fmt == "nvfp4-pair":
+        assert isinstance(prob.index_cache, tuple)
+    got, want = _scores(prob, init, local)
+    assert got.shape == (4, len(LENGTHS), 8)
+    _assert_same(got, want)
+    # the forcing rules as the SPEC states them, spot-checked on the result
+    n = (prob.seq_lens.long() + 127) // 128
+    for i, ni in enumerate(n.tolist()):
+        row = got[:, i]
+        assert bool(torch.isinf(row[:, ni:]).all()) and bool((row[:, ni:] < 0).all())
+        for j in range(ni):
+            if j >= ni - local:
+                assert bool((row[:, j] == 1e29).all())
+            elif j < init:
+                assert bool((row[:, j] == 1e30).all())
+            else:
+                assert bool(row[:, j].abs().lt(1e3).all())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_block_scores_random_ragged(fmt):
+    g = torch.Generator().manual_seed(7)
+    lens = testing.random_lengths(6, 1500, g)
+    prob = _problem(fmt, lens.tolist(), seed=3)
+    got, want = _scores(prob, 0, 1)
+    _assert_same(got, want)
+
+
+def test_nvfp4_pair_equals_product_layout():
+    prob = _problem("nvfp4", LENGTHS, seed=11)
+    pair = formats.to_nvfp4_pair(prob.index_cache)
+    args = (prob.q, prob.block_table, prob.seq_lens)
+    kw = dict(init_blocks=1, local_blocks=1, width=prob.width)
+    a = reference.block_scores(args[0], prob.index_cache, *args[1:], **kw)
+    b = reference.block_scores(args[0], pair, *args[1:], **kw)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_lengths_shorter_than_forced_blocks(fmt):
+    # n <= init + local: every block of the row is forced, nothing is scanned
+    lengths = [1, 128, 129, 300, 384, 385, 700]
+    prob = _problem(fmt, lengths, seed=5)
+    for init, local in [(2, 3), (3, 2), (4, 4), (0, 6), (6, 0)]:
+        got, want = _scores(prob, init, local)
+        _assert_same(got, want)
+    # one block: local wins over init (local is tested first)
+    got, _ = _scores(prob, 1, 1)
+    assert bool((got[:, 0, 0] == 1e29).all())
+    got, _ = _scores(prob, 1, 0)
+    assert bool((got[:, 0, 0] == 1e30).all())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_width_larger_than_needed(fmt):
+    prob = _problem(fmt, [1, 200, 130, 640], seed=9)
+    got, want = _scores(prob, 1, 1, width=prob.width + 5)
+    assert got.shape[-1] == prob.width + 5
+    _assert_same(got, want)
+    assert bool(torch.isneginf(got[:, :, prob.width :]).all())
+
+
+def test_two_dim_query_and_sm_scale():
+    prob = _problem("fp8", [1000, 333, 1], seed=2, num_heads=1)
+    q2 = prob.q[:, 0].contiguous()
+    args = (prob.index_cache, prob.block_table, prob.seq_lens)
+    for scale in (128**-0.5, 1.0, 0.0625):
+        got = reference.block_scores(
+            q2, *args, init_blocks=0, local_blocks=1, width=prob.width, sm_scale=scale
+        )
+        want = oracle(q2, *args, init=0, local=1, width=prob.width, sm_scale=scale)
+        assert got.shape == (1, 3, prob.width)
+        _assert_same(got, want)
+
+
+def test_only_visible_tokens_count():
+    """A huge key past seq_lens must not change the block's score; one before it must."""
+    prob = _problem("bf16", [200], seed=4, num_heads=1)
+    cache = prob.index_cache.clone()
+    page = int(prob.block_table[0, 1])
+    q = prob.q[0, 0].float()
+    big = (q / q.norm() * 300).to(torch.bfloat16)
+    kw = dict(init_blocks=0, local_blocks=0, width=2)
+    base = reference.block_scores(prob.q, cache, prob.block_table, prob.seq_lens, **kw)
+    cache[page, 72] = big  # token 128 + 72 = 200 is past the causal length
+    after = reference.block_scores(prob.q, cache, prob.block_table, prob.seq_lens, **kw)
+    assert torch.equal(base, after)
+    cache[page, 71] = big  # token 199 is the row's own token: it counts
+    after = reference.block_scores(prob.q, cache, prob.block_table, prob.seq_lens, **kw)
+    assert after[0, 0, 1] > base[0, 0, 1]
+    assert after[0, 0, 0] == base[0, 0, 0]
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4", "nvfp4-pair"])
+def test_columns_subset_equals_slicing(fmt):
+    prob = _problem(fmt, [1000, 5, 700, 129, 1000], seed=6, width=11)
+    kw = dict(init_blocks=1, local_blocks=2, width=prob.width)
+    args = (prob.q, prob.index_cache, prob.block_table, prob.seq_lens)
+    full = reference.block_scores(*args, **kw)
+    g = torch.Generator().manual_seed(1)
+    subsets = [
+        torch.arange(prob.width),
+        torch.tensor([0]),
+        torch.tensor([10]),
+        torch.tensor([3, 1, 7]),  # unsorted
+        torch.randperm(prob.width, generator=g)[:5],
+        torch.tensor([], dtype=torch.int64),
+        torch.tensor([2, 9], dtype=torch.int32),
+    ]
+    subsets += [partition.owned_columns(r, 4, prob.width) for r in range(4)]
+    for cols in subsets:
+        part = reference.block_scores(*args, columns=cols, **kw)
+        assert part.shape == (4, 5, cols.numel())
+        assert torch.equal(part, full[:, :, cols.long()])
+
+
+# --------------------------------------------------------------------------- topk_blocks
+
+
+def _topk_oracle(scores: torch.Tensor, k: int) -> torch.Tensor:
+    h, rows, width = scores.shape
+    k_eff = min(k, width)
+    out = torch.empty(h, rows, k_eff, dtype=torch.int64)
+    for a in range(h):
+        for i in range(rows):
+            vals = scores[a, i].tolist()
+            order = sorted(range(width), key=lambda j: -vals[j])[:k_eff]
+            picked = sorted(-1 if vals[j] == -math.inf else j for j in order)
+            out[a, i] = torch.tensor(picked)
+    return out
+
+
+@pytest.mark.parametrize("k", [16, 4, 1, 40])
+def test_topk_blocks(k):
+    lengths = [1, 128 * 3, 128 * 16, 128 * 16 + 1, 128 * 30 - 5, 128 * 17]
+    prob = _problem("nvfp4", lengths, seed=8, width=32)
+    scores = reference.block_scores(
+        prob.q, prob.index_cache, prob.block_table, prob.seq_lens,
+        init_blocks=1, local_blocks=1, width=prob.width,
+    )  # fmt: skip
+    got = reference.topk_blocks(scores, k)
+    assert got.shape == (4, len(lengths), min(k, prob.width))
+    assert torch.equal(got, _topk_oracle(scores, k))
+    # sorted ascending, -1 only where fewer than k blocks are in the context
+    assert bool((got[..., 1:] >= got[..., :-1]).all())
+    n = ((prob.seq_lens.long() + 127) // 128).tolist()
+    k_eff = min(k, prob.width)
+    for i, ni in enumerate(n):
+        pad = max(0, k_eff - ni)
+        assert bool((got[:, i, :pad] == -1).all())
+        assert bool((got[:, i, pad:] >= 0).all())
+        if k_eff >= 2 and ni >= 2:  # both forced blocks are always selected
+            assert bool((got[:, i] == 0).any(-1).all())
+            assert bool((got[:, i] == ni - 1).any(-1).all())
+
+
+def test_topk_blocks_default_is_16():
+    scores = torch.randn(2, 3, 40, generator=torch.Generator().manual_seed(0))
+    got = reference.topk_blocks(scores)
+    assert got.shape == (2, 3, 16)
+    assert torch.equal(got, _topk_oracle(scores, 16))
+
+
+# --------------------------------------------------------------------------- speed
+
+
+def test_speed_64_rows_32k_nvfp4():
+    """The oracle must stay usable at decode scale: 64 rows x 32K tokens, nvfp4."""
+    g = torch.Generator().manual_seed(0)
+    rows, ctx, pool = 64, 32 * 1024, 512
+    keys = torch.randn(pool, 128, 128, generator=g)
+    cache = formats.quantize(keys, "nvfp4")
+    blocks = ctx // 128
+    table = torch.randint(0, pool, (rows, blocks), generator=g, dtype=torch.int32)
+    lens = torch.full((rows,), ctx, dtype=torch.int32)
+    lens[1::2] = torch.randint(ctx // 2, ctx, (rows // 2,), generator=g, dtype=torch.int32)
+    q = (torch.randn(rows, 4, 128, generator=g) * 2).to(torch.float8_e4m3fn)
+    t0 = time.perf_counter()
+    out = reference.block_scores(q, cache, table, lens, init_blocks=0, local_blocks=1, width=blocks)
+    dt = time.perf_counter() - t0
+    print(f"reference.block_scores 64 rows x 32K nvfp4: {dt:.2f} s")
+    assert out.shape == (4, rows, blocks)
+    assert bool(torch.isfinite(out[:, 0, :-1]).all())
+    # spot-check one row against the oracle
+    want = oracle(q[:1], cache, table[:1], lens[:1], init=0, local=1, width=blocks)
+    assert torch.equal(out[:, :1], want)
+    assert dt < 20.0, f"reference took {dt:.1f} s for 64 rows x 32K tokens"

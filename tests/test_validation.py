@@ -1,0 +1,396 @@
+"""Bad input to ``IndexCP.score_push`` raises TypeError/ValueError naming the argument and what
+was expected; checked through a real instance in a one-rank in-process world."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import cpindex
+from cpindex import formats, reference, testing
+from cpindex.config import CPIndexConfig
+from cpindex.world import run_threads
+
+ROWS, MAX_LEN = 3, 600  # needs 5 columns; max_width is 16
+QDT = {"bf16": "torch.bfloat16", "fp8": "torch.float8_e4m3fn", "nvfp4": "torch.float8_e4m3fn"}
+
+IQ_SHAPE_BUG = (
+    "validation.check_call unsqueezes a 2-D iq before the shape check, so the error describes "
+    "a tensor the caller never passed ('got ... [3, 1, 64]' for an iq of shape [3, 64])"
+)
+
+
+def _args(fmt: str) -> dict:
+    prob = testing.make_problem(ROWS, MAX_LEN, fmt, num_heads=1, seed=1)
+    return dict(
+        iq=prob.q,
+        index_cache=prob.index_cache,
+        block_table=prob.block_table,
+        seq_lens=prob.seq_lens,
+        init_blocks=0,
+        local_blocks=1,
+        width=prob.width,
+    )
+
+
+def _push(fmt: str, edit: Callable[[dict], None] | None = None, **cfg) -> torch.Tensor:
+    """One score_push on a fresh 1-rank instance after ``edit`` broke the arguments."""
+    args = _args(fmt)
+    if edit is not None:
+        edit(args)
+
+    def rank(comm):
+        config = CPIndexConfig(max_rows=4, max_width=16, cache_format=fmt, num_heads=1, **cfg)
+        with cpindex.IndexCP(config, device="cpu", comm=comm) as cp:
+            return cp.score_push(**args).clone()
+
+    return run_threads(1, rank)[0]
+
+
+def _set(**kv) -> Callable[[dict], None]:
+    return lambda a: a.update(kv)
+
+
+FORMATS = ["bf16", "fp8", "nvfp4"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_valid_call_matches_reference(fmt):
+    args = _args(fmt)
+    out = _push(fmt)
+    want = reference.block_scores(
+        args["iq"], args["index_cache"], args["block_table"], args["seq_lens"],
+        init_blocks=0, local_blocks=1, width=args["width"],
+    )  # fmt: skip
+    assert out.shape == (1, ROWS, 5) and out.dtype == torch.float32
+    assert torch.equal(out, want)
+
+
+# --------------------------------------------------------------------------- iq
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_iq_wrong_dtype(fmt):
+    bad = torch.bfloat16 if fmt != "bf16" else torch.float8_e4m3fn
+
+    def edit(a):
+        a["iq"] = a["iq"].float().to(bad)
+
+    msg = rf"iq: expected {QDT[fmt]} for cache_format '{fmt}', got {bad} \[3, 1, 128\]"
+    with pytest.raises(TypeError, match=msg):
+        _push(fmt, edit)
+    with pytest.raises(TypeError, match=r"iq: expected .* got torch.float32"):
+        _push(fmt, lambda a: a.update(iq=a["iq"].float()))
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (3, 2, 128),
+        (3, 1, 64),
+        (3, 64),
+        (3,),
+        (1, 3, 1, 128),
+        (3, 128, 1),
+    ],
+)
+def test_iq_wrong_shape(shape):
+    q = torch.randn(*shape).to(torch.float8_e4m3fn)
+    got = str(list(shape)).replace("[", r"\[").replace("]", r"\]")
+    msg = rf"iq: expected \[rows, 1, 128\] or \[rows, 128\], got torch.float8_e4m3fn {got}"
+    with pytest.raises(ValueError, match=msg):
+        _push("nvfp4", _set(iq=q))
+
+
+def test_iq_two_dim_accepted_when_one_head():
+    out3 = _push("fp8")
+    out2 = _push("fp8", lambda a: a.update(iq=a["iq"][:, 0].contiguous()))
+    assert torch.equal(out2, out3)
+
+
+def test_iq_non_contiguous():
+    def edit(a):
+        a["iq"] = a["iq"][:, 0].t().contiguous().t()  # [3, 128], column-major
+
+    with pytest.raises(ValueError, match=r"iq: expected a contiguous tensor, got strides"):
+        _push("nvfp4", edit)
+
+
+def test_iq_too_many_rows():
+    def edit(a):
+        a["iq"] = torch.randn(5, 1, 128).to(torch.float8_e4m3fn)
+
+    with pytest.raises(ValueError, match=r"iq: rows must be in \[1, max_rows=4\], got 5"):
+        _push("nvfp4", edit)
+
+
+def test_iq_zero_rows():
+    def edit(a):
+        a["iq"] = torch.empty(0, 1, 128, dtype=torch.float8_e4m3fn)
+
+    with pytest.raises(ValueError, match=r"iq: rows must be in \[1, max_rows=4\], got 0"):
+        _push("nvfp4", edit)
+
+
+def test_iq_not_a_tensor():
+    with pytest.raises(TypeError, match=r"iq: expected a torch\.Tensor, got list"):
+        _push("nvfp4", _set(iq=[[0.0] * 128] * 3))
+
+
+def test_wrong_device_named():
+    # the meta device stands in for "another device" on a CPU-only machine
+    def on_meta(name):
+        return lambda a: a.update({name: a[name].to("meta")})
+
+    for name in ("iq", "block_table", "seq_lens"):
+        with pytest.raises(ValueError, match=rf"{name}: expected a tensor on cpu, got .* on meta"):
+            _push("fp8", on_meta(name))
+    with pytest.raises(ValueError, match=r"index_cache: expected a tensor on cpu, got .* meta"):
+        _push("fp8", on_meta("index_cache"))
+
+    def pair_on_meta(a):
+        packed, scales = formats.to_nvfp4_pair(a["index_cache"])
+        a["index_cache"] = (packed.to("meta"), scales.to("meta"))
+
+    with pytest.raises(ValueError, match=r"index_cache\[0\]: expected a tensor on cpu"):
+        _push("nvfp4", pair_on_meta)
+
+
+# --------------------------------------------------------------------------- index_cache
+
+
+@pytest.mark.parametrize(
+    ("fmt", "bad_dtype"),
+    [("bf16", torch.float16), ("bf16", torch.float8_e4m3fn), ("fp8", torch.bfloat16),
+     ("fp8", torch.uint8), ("nvfp4", torch.int8), ("nvfp4", torch.bfloat16)],
+)  # fmt: skip
+def test_index_cache_wrong_dtype(fmt, bad_dtype):
+    def edit(a):
+        a["index_cache"] = torch.ones(a["index_cache"].shape, dtype=torch.float32).to(bad_dtype)
+
+    expected = {
+        "bf16": r"torch.bfloat16 \[pages, 128, 128\]",
+        "fp8": r"torch.float8_e4m3fn \[pages, 128, 128\]",
+        "nvfp4": r"torch.uint8 \[pages, 9216\]",
+    }[fmt]
+    msg = rf"index_cache: expected {expected}.* for cache_format '{fmt}', got {bad_dtype}"
+    with pytest.raises(TypeError, match=msg):
+        _push(fmt, edit)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "shape"),
+    [("bf16", (9, 128, 64)), ("bf16", (9, 128 * 128)), ("fp8", (9, 64, 128)),
+     ("nvfp4", (9, 9215)), ("nvfp4", (9, 128, 72))],
+)  # fmt: skip
+def test_index_cache_wrong_shape(fmt, shape):
+    dt = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "nvfp4": torch.uint8}[fmt]
+    cache = torch.ones(shape).to(dt)
+    with pytest.raises(ValueError, match=rf"index_cache: expected .*'{fmt}', got {dt}"):
+        _push(fmt, _set(index_cache=cache))
+
+
+@pytest.mark.parametrize("bad", [None, [1, 2], "cache", 3.0])
+def test_index_cache_not_a_tensor(bad):
+    with pytest.raises(TypeError, match=r"index_cache: expected a tensor \(or a \(packed, sca"):
+        _push("nvfp4", _set(index_cache=bad))
+
+
+def test_index_cache_bad_nvfp4_pair():
+    def bad_scales(a):
+        packed, scales = formats.to_nvfp4_pair(a["index_cache"])
+        a["index_cache"] = (packed, scales.float())
+
+    with pytest.raises(TypeError, match=r"index_cache\[1\] \(scales\): expected"):
+        _push("nvfp4", bad_scales)
+
+    def short_scales(a):
+        packed, scales = formats.to_nvfp4_pair(a["index_cache"])
+        a["index_cache"] = (packed, scales[:-1])
+
+    with pytest.raises(ValueError, match="index_cache: NVFP4 pair disagrees"):
+        _push("nvfp4", short_scales)
+
+
+def test_nvfp4_pair_accepted():
+    plain = _push("nvfp4")
+
+    def pair(a):
+        a["index_cache"] = formats.to_nvfp4_pair(a["index_cache"])
+
+    assert torch.equal(_push("nvfp4", pair), plain)
+
+
+# --------------------------------------------------------------------------- block_table
+
+
+def test_block_table_wrong_dtype():
+    msg = r"block_table: expected torch.int32 \[rows, max_blocks\], got torch.int64 \[3, 5\]"
+    with pytest.raises(TypeError, match=msg):
+        _push("nvfp4", lambda a: a.update(block_table=a["block_table"].long()))
+
+
+def test_block_table_wrong_rows():
+    msg = r"block_table: expected torch.int32 \[3, max_blocks >= 1\] \(rows from iq\), got"
+    with pytest.raises(ValueError, match=msg):
+        _push("nvfp4", lambda a: a.update(block_table=a["block_table"][:2]))
+    with pytest.raises(ValueError, match=msg):
+        _push("nvfp4", lambda a: a.update(block_table=a["block_table"].reshape(-1)))
+    with pytest.raises(ValueError, match=msg):
+        _push("nvfp4", lambda a: a.update(block_table=a["block_table"][:, :0], width=5))
+
+
+def test_block_table_non_contiguous_rows():
+    def edit(a):
+        a["block_table"] = a["block_table"].t().contiguous().t()
+
+    with pytest.raises(ValueError, match=r"block_table: rows must be contiguous, got strides"):
+        _push("nvfp4", edit)
+
+
+def test_block_table_row_stride_is_free():
+    """A row stride larger than the row (a slice of a wider table) is fine."""
+    plain = _push("nvfp4")
+
+    def edit(a):
+        wide = torch.full((ROWS, 9), 10**6, dtype=torch.int32)  # poison outside the slice
+        wide[:, :5] = a["block_table"]
+        a["block_table"] = wide[:, :5]
+
+    assert torch.equal(_push("nvfp4", edit), plain)
+
+
+def test_block_table_narrower_than_longest_row():
+    msg = r"block_table: the longest row \(600 tokens\) needs 5 blocks, got max_blocks=4"
+    with pytest.raises(ValueError, match=msg):
+        _push("nvfp4", lambda a: a.update(block_table=a["block_table"][:, :4].contiguous()))
+
+
+# --------------------------------------------------------------------------- seq_lens
+
+
+def test_seq_lens_wrong_dtype():
+    with pytest.raises(TypeError, match=r"seq_lens: expected torch.int32 \[3\], got torch.int64"):
+        _push("nvfp4", lambda a: a.update(seq_lens=a["seq_lens"].long()))
+
+
+@pytest.mark.parametrize("shape", [(3, 1), (2,), (4,), ()])
+def test_seq_lens_wrong_shape(shape):
+    lens = torch.full(shape, 100, dtype=torch.int32)
+    msg = r"seq_lens: expected contiguous torch.int32 \[3\], got torch.int32"
+    with pytest.raises(ValueError, match=msg):
+        _push("nvfp4", _set(seq_lens=lens))
+
+
+def test_seq_lens_not_a_tensor():
+    with pytest.raises(TypeError, match=r"seq_lens: expected a torch\.Tensor, got list"):
+        _push("nvfp4", _set(seq_lens=[600, 1, 5]))
+
+
+# --------------------------------------------------------------------------- width and counts
+
+
+def test_width_above_max_width():
+    with pytest.raises(ValueError, match=r"width: expected in \[1, 16\], got 17"):
+        _push("nvfp4", _set(width=17))
+
+
+def test_width_zero():
+    with pytest.raises(ValueError, match=r"width: expected in \[1, 16\], got 0"):
+        _push("nvfp4", _set(width=0))
+
+
+def test_width_below_longest_row():
+    msg = r"width: the longest row \(600 tokens\) needs 5 columns, got width=4"
+    with pytest.raises(ValueError, match=msg):
+        _push("nvfp4", _set(width=4))
+
+
+def test_width_defaults_to_block_table_width():
+    out = _push("fp8", lambda a: a.pop("width"))
+    assert out.shape == (1, ROWS, 5)
+
+
+@pytest.mark.parametrize("name", ["init_blocks", "local_blocks"])
+def test_forced_counts_negative(name):
+    with pytest.raises(ValueError, match=rf"{name}: expected >= 0, got -1"):
+        _push("nvfp4", _set(**{name: -1}))
+
+
+@pytest.mark.parametrize("name", ["init_blocks", "local_blocks", "width"])
+@pytest.mark.parametrize(("bad", "kind"), [(1.0, "float"), (True, "bool"), ("1", "str")])
+def test_counts_must_be_int(name, bad, kind):
+    with pytest.raises(TypeError, match=rf"{name}: expected an int, got {kind}"):
+        _push("nvfp4", _set(**{name: bad}))
+
+
+# --------------------------------------------------------------------------- construction
+
+
+@pytest.mark.parametrize("bad", [{"max_rows": 4}, "nvfp4", 4])
+def test_config_not_a_config(bad):
+    def rank(comm):
+        cpindex.IndexCP(bad, device="cpu", comm=comm)
+
+    with pytest.raises(TypeError, match=r"config: expected CPIndexConfig, got"):
+        run_threads(1, rank)
+
+
+def test_group_and_comm_exclusive():
+    def rank(comm):
+        cpindex.IndexCP(CPIndexConfig(), group=object(), device="cpu", comm=comm)
+
+    with pytest.raises(ValueError, match="pass either group or comm"):
+        run_threads(1, rank)
+
+
+def test_config_world_size_mismatch():
+    def rank(comm):
+        cpindex.IndexCP(CPIndexConfig(world_size=2), device="cpu", comm=comm)
+
+    with pytest.raises(ValueError, match=r"config\.world_size is 2 but the process group has 1"):
+        run_threads(1, rank)
+
+
+def test_explicit_ipc_on_cpu_unavailable():
+    def rank(comm):
+        cpindex.IndexCP(CPIndexConfig(transport="ipc", max_rows=4), device="cpu", comm=comm)
+
+    with pytest.raises(cpindex.TransportUnavailable, match=r"'ipc'.*needs a GPU") as ei:
+        run_threads(1, rank)
+    assert isinstance(ei.value, cpindex.CPIndexError)
+
+
+@pytest.mark.parametrize("prefer_mori", [False, True])
+def test_auto_on_cpu_resolves_collective(prefer_mori):
+    def rank(comm):
+        cfg = CPIndexConfig(max_rows=4, max_width=16, prefer_mori=prefer_mori)
+        with cpindex.IndexCP(cfg, device="cpu", comm=comm) as cp:
+            assert "collective" in repr(cp)
+            return cp.transport_name, cp.rank, cp.world_size, cp.heads_per_rank
+
+    assert run_threads(1, rank) == [("collective", 0, 1, 4)]
+
+
+def test_errors_leave_the_instance_usable_and_close_is_final():
+    args = _args("nvfp4")
+
+    def rank(comm):
+        cfg = CPIndexConfig(max_rows=4, max_width=16, num_heads=1)
+        cp = cpindex.IndexCP(cfg, device="cpu", comm=comm)
+        with pytest.raises(ValueError, match="width"):
+            cp.score_push(**{**args, "width": 99})
+        good = cp.score_push(**args).clone()
+        cp.close()
+        cp.close()  # idempotent
+        with pytest.raises(cpindex.CPIndexError, match="closed"):
+            cp.score_push(**args)
+        return good
+
+    want = reference.block_scores(
+        args["iq"], args["index_cache"], args["block_table"], args["seq_lens"],
+        init_blocks=0, local_blocks=1, width=args["width"],
+    )  # fmt: skip
+    assert torch.equal(run_threads(1, rank)[0], want)
