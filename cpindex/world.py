@@ -16,6 +16,7 @@ import os
 import socket
 import threading
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -27,8 +28,21 @@ T = TypeVar("T")
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+class CollectiveTimeout(RuntimeError):
+    """A tensor collective did not complete in time; ``late`` lists the ranks that had not
+    arrived (empty when the backend cannot tell)."""
+
+    def __init__(self, what: str, late: list[int]) -> None:
+        super().__init__(f"{what} timed out; late ranks: {late or 'unknown'}")
+        self.what, self.late = what, late
+
+
 class Comm(Protocol):
-    """The host-side collectives cpindex needs. Every rank calls them in the same order."""
+    """The host-side collectives cpindex needs. Every rank calls them in the same order.
+
+    Tensor collectives take ``timeout_s``: past it they raise :class:`CollectiveTimeout`
+    naming the late ranks where the implementation can tell (in-process world; gloo).
+    """
 
     rank: int
     world_size: int
@@ -36,10 +50,14 @@ class Comm(Protocol):
 
     def all_gather_object(self, obj: Any) -> list[Any]: ...
 
-    def all_gather_into(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+    def all_gather_into(
+        self, out: torch.Tensor, inp: torch.Tensor, timeout_s: float | None = None
+    ) -> None:
         """``out`` (``world_size * inp.numel()`` elements, contiguous) gets every rank's ``inp``."""
 
-    def all_to_all_into(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+    def all_to_all_into(
+        self, out: torch.Tensor, inp: torch.Tensor, timeout_s: float | None = None
+    ) -> None:
         """Equal split along dim 0: ``out[s]`` gets rank ``s``'s ``inp[self.rank]``."""
 
     def barrier(self) -> None: ...
@@ -51,7 +69,14 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 class TorchComm:
-    """:class:`Comm` over a ``torch.distributed`` process group (default: the world group)."""
+    """:class:`Comm` over a ``torch.distributed`` process group (default: the world group).
+
+    Bounded waits: with gloo (CPU tensors) each tensor collective is waited on with the
+    timeout, and every rank counts its arrivals in the group's store so a timeout names the
+    ranks that never came. With NCCL/RCCL the collective is enqueued on the stream and the
+    host does not wait; a missing peer is caught by the backend's watchdog (the process
+    group's ``timeout``), which the caller sets when creating the group.
+    """
 
     same_process = False
 
@@ -62,17 +87,61 @@ class TorchComm:
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.backend = str(dist.get_backend(self.group))
+        self._arrivals = 0
+        self._store = None
+        if self.backend == "gloo":
+            try:  # private but long-standing; without it timeouts just don't name ranks
+                base = dist.distributed_c10d._get_default_store()
+                name = getattr(self.group, "group_name", "world")
+                self._store = dist.PrefixStore(f"cpindex/{name}/", base)
+            except Exception:
+                self._store = None
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def all_gather_into(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        _all_gather_single(_bytes(out), _bytes(inp), group=self.group)
+    def _bounded(self, what: str, start: Callable[[], Any], timeout_s: float | None) -> None:
+        if timeout_s is None or self.backend != "gloo":
+            start()
+            return
+        self._arrivals += 1
+        if self._store is not None:
+            self._store.add(str(self.rank), 1)
+        work = start()
+        try:
+            work.wait(timedelta(seconds=timeout_s))
+        except RuntimeError:
+            late = []
+            if self._store is not None:
+                counts = [self._store.add(str(r), 0) for r in range(self.world_size)]
+                late = [r for r, c in enumerate(counts) if c < self._arrivals]
+            raise CollectiveTimeout(what, late) from None
 
-    def all_to_all_into(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        dist.all_to_all_single(_bytes(out), _bytes(inp), group=self.group)
+    def all_gather_into(
+        self, out: torch.Tensor, inp: torch.Tensor, timeout_s: float | None = None
+    ) -> None:
+        bounded = timeout_s is not None and self.backend == "gloo"
+        self._bounded(
+            "all-gather",
+            lambda: _all_gather_single(
+                _bytes(out), _bytes(inp), group=self.group, async_op=bounded
+            ),
+            timeout_s,
+        )
+
+    def all_to_all_into(
+        self, out: torch.Tensor, inp: torch.Tensor, timeout_s: float | None = None
+    ) -> None:
+        bounded = timeout_s is not None and self.backend == "gloo"
+        self._bounded(
+            "all-to-all",
+            lambda: dist.all_to_all_single(
+                _bytes(out), _bytes(inp), group=self.group, async_op=bounded
+            ),
+            timeout_s,
+        )
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)
@@ -83,15 +152,29 @@ class ThreadWorld:
 
     def __init__(self, world_size: int, timeout_s: float = 60.0) -> None:
         self.world_size = world_size
-        self._barrier = threading.Barrier(world_size, timeout=timeout_s)
+        self.timeout_s = timeout_s
+        self._barrier = threading.Barrier(world_size)
         self._slots: list[Any] = [None] * world_size
+        self._rounds = [0] * world_size
 
-    def exchange(self, rank: int, obj: Any) -> list[Any]:
+    def exchange(self, rank: int, obj: Any, timeout_s: float | None = None) -> list[Any]:
+        """Everyone's ``obj``; raises :class:`CollectiveTimeout` naming the ranks that had not
+        arrived when the wait ran out (the world is then broken for good)."""
+        self._rounds[rank] += 1
+        mine = self._rounds[rank]
         self._slots[rank] = obj
-        self._barrier.wait()
-        out = list(self._slots)
-        self._barrier.wait()  # nobody overwrites a slot before everyone has read it
+        wait = timeout_s if timeout_s is not None else self.timeout_s
+        try:
+            self._barrier.wait(wait)
+            out = list(self._slots)
+            self._barrier.wait(wait)  # nobody overwrites a slot before everyone has read it
+        except threading.BrokenBarrierError:
+            late = [r for r in range(self.world_size) if self._rounds[r] < mine]
+            raise CollectiveTimeout("in-process exchange", late) from None
         return out
+
+    def abort(self) -> None:
+        self._barrier.abort()
 
 
 def _ready_event(t: torch.Tensor) -> torch.cuda.Event | None:
@@ -122,30 +205,39 @@ class ThreadComm:
     def all_gather_object(self, obj: Any) -> list[Any]:
         return self._world.exchange(self.rank, obj)
 
-    def _exchange_tensors(self, inp: torch.Tensor, copy: Callable[[list[torch.Tensor]], None]):
-        peers = self.all_gather_object((inp, _ready_event(inp)))
+    def _exchange_tensors(
+        self,
+        inp: torch.Tensor,
+        copy: Callable[[list[torch.Tensor]], None],
+        timeout_s: float | None,
+    ) -> None:
+        peers = self._world.exchange(self.rank, (inp, _ready_event(inp)), timeout_s)
         _wait([ev for _, ev in peers])
         copy([t for t, _ in peers])
         # Peers may reuse their input only after every rank has copied from it.
-        _wait(self.all_gather_object(_ready_event(inp)))
+        _wait(self._world.exchange(self.rank, _ready_event(inp), timeout_s))
 
-    def all_gather_into(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+    def all_gather_into(
+        self, out: torch.Tensor, inp: torch.Tensor, timeout_s: float | None = None
+    ) -> None:
         dst = _bytes_view(out).view(self.world_size, -1)
 
         def copy(ins: list[torch.Tensor]) -> None:
             for s, t in enumerate(ins):
                 dst[s].copy_(_bytes(t))
 
-        self._exchange_tensors(inp, copy)
+        self._exchange_tensors(inp, copy, timeout_s)
 
-    def all_to_all_into(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+    def all_to_all_into(
+        self, out: torch.Tensor, inp: torch.Tensor, timeout_s: float | None = None
+    ) -> None:
         dst = _bytes_view(out).view(self.world_size, -1)
 
         def copy(ins: list[torch.Tensor]) -> None:
             for s, t in enumerate(ins):
                 dst[s].copy_(_bytes(t).view(self.world_size, -1)[self.rank])
 
-        self._exchange_tensors(inp, copy)
+        self._exchange_tensors(inp, copy, timeout_s)
 
     def barrier(self) -> None:
         self._world.exchange(self.rank, None)
@@ -182,7 +274,7 @@ def run_threads(
                 results[rank] = fn(ThreadComm(world, rank))
         except BaseException as e:  # surfaced below, with the rank
             errors[rank] = e
-            world._barrier.abort()
+            world.abort()
 
     threads = [threading.Thread(target=body, args=(r,), name=f"cpindex-rank{r}") for r in range(world_size)]
     for t in threads:
@@ -190,7 +282,9 @@ def run_threads(
     for t in threads:
         t.join()
     # A rank's own exception beats the BrokenBarrierError it caused in the others.
-    first = next((e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)), None)
+    first = next(
+        (e for e in errors if e is not None and not isinstance(e, CollectiveTimeout)), None
+    )
     first = first or next((e for e in errors if e is not None), None)
     if first is not None:
         raise first

@@ -366,7 +366,6 @@ PEER_TIMEOUT_GAP = (
 )
 
 
-@pytest.mark.xfail(strict=True, reason=PEER_TIMEOUT_GAP)
 def test_missing_peer_times_out_with_config_timeout():
     def rank_fn(comm):
         case = Case("timeout", "fp8", lengths=(500,), seed=600)
@@ -383,3 +382,30 @@ def test_missing_peer_times_out_with_config_timeout():
     with pytest.raises(cpindex.PeerTimeoutError, match=r"rank") as ei:
         run_threads(2, rank_fn, timeout_s=4)
     assert ei.value.rank == 0 and ei.value.peer == 1
+
+
+def _gloo_late_rank(rank: int, world: int, path: str) -> None:
+    import time
+
+    case = Case("timeout-gloo", "fp8", lengths=(500,), seed=601)
+    prob = case.problem()
+    cfg = CPIndexConfig(cache_format="fp8", max_rows=4, max_width=8, timeout_s=1.0)
+    cp = cpindex.IndexCP(cfg, device="cpu")
+    result = "no error"
+    if rank == 1:
+        time.sleep(4.0)  # never calls score_push; stays alive so the timeout is what fires
+    else:
+        try:
+            cp.score_push(prob.rank_queries(rank, world), prob.index_cache, prob.block_table,
+                          prob.seq_lens)
+        except cpindex.PeerTimeoutError as e:
+            result = f"{e.rank} {e.peer} {e.call} {e}"
+    with open(f"{path}/rank{rank}.txt", "w") as f:
+        f.write(result)
+
+
+def test_gloo_missing_peer_times_out_naming_it(tmp_path):
+    spawn_processes(2, _gloo_late_rank, str(tmp_path), backend="gloo")
+    rank, peer, call, msg = (tmp_path / "rank0.txt").read_text().split(" ", 3)
+    assert (rank, peer, call) == ("0", "1", "1"), msg
+    assert "waiting for rank(s) 1" in msg

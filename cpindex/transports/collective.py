@@ -12,8 +12,10 @@ from __future__ import annotations
 import torch
 
 from .. import formats, partition, reference
+from ..errors import PeerTimeoutError
 from ..kernels.launcher import ErrorMonitor, KernelScorer
 from ..validation import Call
+from ..world import CollectiveTimeout
 from .base import Context, Transport, register
 
 
@@ -45,6 +47,7 @@ class CollectiveTransport(Transport):
             else torch.tensor([d % cfg.num_heads for d in range(w)], device=dev)
         )
         assert all(len(o) == len(owners[0]) for o in owners)
+        self.calls = 0
         self.scorer = None
         self.monitor = None
         if dev.type == "cuda":
@@ -72,8 +75,9 @@ class CollectiveTransport(Transport):
         cfg, w, rank, hpr = self.ctx.config, self.ctx.world, self.ctx.rank, self.ctx.heads_per_rank
         rows, width, d = call.rows, call.width, cfg.head_dim
         kw = partition.shard_width(width, w)
+        self.calls += 1
         q_all = self._q[: w * rows * hpr * d].view(w, rows, hpr, d)
-        self.ctx.comm.all_gather_into(q_all, call.iq)
+        self._collective("all-gather of queries", self.ctx.comm.all_gather_into, q_all, call.iq)
 
         shard = self._shard[: cfg.num_heads * rows * kw].view(cfg.num_heads, rows, kw)
         if self.scorer is not None:
@@ -106,11 +110,27 @@ class CollectiveTransport(Transport):
 
         send = shard if self._send_heads is None else shard.index_select(0, self._send_heads)
         recv = self._recv[: w * hpr * rows * kw].view(w, hpr, rows, kw)
-        self.ctx.comm.all_to_all_into(recv, send.view(w, hpr, rows, kw))
+        self._collective("all-to-all of scores", self.ctx.comm.all_to_all_into, recv,
+                         send.view(w, hpr, rows, kw))
         out = self._out[: hpr * rows * width].view(hpr, rows, width)
         # Column src + W*k of the output is column k of rank src's shard.
         out.copy_(recv.permute(1, 2, 3, 0).reshape(hpr, rows, kw * w)[:, :, :width])
         return out
+
+    def _collective(self, what: str, fn, out: torch.Tensor, inp: torch.Tensor) -> None:
+        try:
+            fn(out, inp, timeout_s=self.ctx.config.timeout_s)
+        except CollectiveTimeout as e:
+            late = ", ".join(map(str, e.late)) or "unknown (the backend cannot tell)"
+            raise PeerTimeoutError(
+                f"rank {self.ctx.rank}: call {self.calls} timed out in the {what} after "
+                f"{self.ctx.config.timeout_s} s waiting for rank(s) {late}. Every rank must make "
+                "the same sequence of score_push calls; the group must be rebuilt after this.",
+                rank=self.ctx.rank,
+                peer=e.late[0] if e.late else -1,
+                call=self.calls,
+                phase=what,
+            ) from None
 
     def check(self) -> None:
         if self.monitor is not None:
