@@ -1,0 +1,199 @@
+"""``cpindex bench``: the transports A/B on the same inputs, beside the scoring alone and the
+no-CP baseline.
+
+World: one process per GPU over NCCL when there are enough GPUs, the one-process world on a
+single GPU (ranks share that GPU's memory bandwidth, so its CP times show the exchange overhead,
+not the CP speedup), gloo processes on a CPU machine.
+
+Columns per shape: each transport's time per call (median, p90) and its ratio to the fastest;
+``score``: this rank's share scored alone (the fused kernel in local mode, or the reference on
+CPU), which is what each GPU spends scanning in a real W-GPU deployment; ``no-CP``: one rank
+scanning every block for its own head (what TP does without CP); and the scan bytes per rank.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .. import formats, partition, reference, testing
+from ..api import IndexCP
+from ..config import CPIndexConfig
+from ..world import Comm, TorchComm, run_threads, spawn_processes
+from .timing import synthetic_cache, synthetic_queries, time_calls, time_graph
+
+
+@dataclass
+class Spec:
+    transports: list[str]
+    world: int
+    formats: list[str]
+    rows: list[int]
+    contexts: list[int]
+    graphs: bool
+    iters: int
+    results_path: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def _problem(fmt: str, rows: int, ctx: int, device: torch.device) -> testing.Problem:
+    """Full-length rows; the same data on every rank (seeded)."""
+    if device.type != "cuda":
+        lens = torch.full((rows,), ctx, dtype=torch.int32)
+        return testing.make_problem(rows, ctx, fmt, lengths=lens, seed=rows * 7 + ctx)
+    blocks = ctx // 128
+    cache = synthetic_cache(rows * blocks, fmt, device, seed=rows + ctx)
+    table = torch.arange(rows * blocks, dtype=torch.int32, device=device).view(rows, blocks)
+    lens = torch.full((rows,), ctx, dtype=torch.int32, device=device)
+    return testing.Problem(synthetic_queries(rows, 4, fmt, device, seed=ctx), cache, table,
+                           lens, blocks, fmt)
+
+
+def _time(fn, spec: Spec, device: torch.device) -> list[float]:
+    if device.type == "cuda" and spec.graphs:
+        return time_graph(fn, per_graph=8, replays=spec.iters, warmup=3)
+    return time_calls(fn, spec.iters, 3, device)
+
+
+def _rank_job(comm: Comm, spec: Spec, device: torch.device) -> list[dict]:
+    rows_max, width_max = max(spec.rows), max(spec.contexts) // 128
+    out: list[dict] = []
+    for fmt in spec.formats:
+        cps = {}
+        for t in spec.transports:
+            cfg = CPIndexConfig(transport=t, cache_format=fmt, max_rows=rows_max,
+                                max_width=width_max)
+            cps[t] = IndexCP(cfg, device=device, comm=comm)
+        for rows in spec.rows:
+            for ctx in spec.contexts:
+                prob = _problem(fmt, rows, ctx, device)
+                iq = prob.rank_queries(comm.rank, comm.world_size)
+                args = (prob.index_cache, prob.block_table, prob.seq_lens, 0, 1, prob.width)
+                rec = {"format": fmt, "rows": rows, "context": ctx, "world": comm.world_size,
+                       "device": str(device), "graphs": spec.graphs and device.type == "cuda"}
+                # correctness first: every transport == the full single-device result
+                full = _full_scores(prob, device)
+                mine = full[partition.heads_of_rank(comm.rank, 4, comm.world_size)]
+                agree = {}
+                for t, cp in cps.items():
+                    got = cp.score_push(iq, *args).clone()
+                    if device.type == "cuda":
+                        torch.cuda.current_stream().synchronize()
+                    agree[t] = bool(torch.equal(got, mine))
+                rec["agree"] = agree
+                for t, cp in cps.items():
+                    rec[t] = _stats(_time(lambda i, cp=cp: cp.score_push(iq, *args), spec, device))
+                    rec["transport_" + t] = cp.transport_name
+                comm.barrier()
+                if comm.rank == 0:  # alone on the device: share scoring and no-CP baseline
+                    rec["score"] = _stats(_time(_share_fn(prob, comm, device), spec, device))
+                    own = prob.q[:, partition.heads_of_rank(0, 4, comm.world_size)].contiguous()
+                    rec["nocp"] = _stats(_time(_full_fn(prob, own, device), spec, device))
+                comm.barrier()
+                page = 128 * formats.BYTES_PER_TOKEN[fmt]
+                rec["scan_bytes_rank"] = max(
+                    partition.scanned_blocks(prob.seq_lens, r, comm.world_size, 0, 1)
+                    for r in range(comm.world_size)) * page
+                rec["scan_bytes_full"] = partition.scanned_blocks(prob.seq_lens, 0, 1, 0, 1) * page
+                out.append(rec)
+                if comm.rank == 0:
+                    print(line(rec, spec.transports), flush=True)
+                del prob
+        for cp in cps.values():
+            cp.close()
+    return out
+
+
+def _stats(ms: list[float]) -> dict:
+    s = sorted(ms)
+    return {"median_ms": statistics.median(s), "p90_ms": s[min(len(s) - 1, int(0.9 * len(s)))]}
+
+
+def _full_scores(prob: testing.Problem, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return torch.ops.cpindex.block_scores(prob.q, prob.index_cache, None, prob.block_table,
+                                              prob.seq_lens, 0, 1, prob.width, 128**-0.5)
+    return reference.block_scores(prob.q, prob.index_cache, prob.block_table, prob.seq_lens,
+                                  init_blocks=0, local_blocks=1, width=prob.width)
+
+
+def _share_fn(prob: testing.Problem, comm: Comm, device: torch.device):
+    w = comm.world_size
+    if device.type == "cuda":
+        from ..kernels.launcher import ErrorMonitor, KernelScorer
+
+        sc = KernelScorer(device, prob.fmt, num_heads=4, rank=0, world=w, sm_scale=128**-0.5,
+                          monitor=ErrorMonitor(device, 0))
+        shard = torch.empty(4, prob.rows, partition.shard_width(prob.width, w), device=device)
+        return lambda i: sc.score_local(prob.q, prob.index_cache, prob.block_table,
+                                        prob.seq_lens, shard, init_blocks=0, local_blocks=1,
+                                        width=prob.width, shard=True)
+    cols = partition.owned_columns(0, w, prob.width)
+    return lambda i: reference.block_scores(prob.q, prob.index_cache, prob.block_table,
+                                            prob.seq_lens, init_blocks=0, local_blocks=1,
+                                            width=prob.width, columns=cols)
+
+
+def _full_fn(prob: testing.Problem, q_own: torch.Tensor, device: torch.device):
+    if device.type == "cuda":
+        return lambda i: torch.ops.cpindex.block_scores(
+            q_own, prob.index_cache, None, prob.block_table, prob.seq_lens, 0, 1, prob.width,
+            128**-0.5)
+    return lambda i: reference.block_scores(q_own, prob.index_cache, prob.block_table,
+                                            prob.seq_lens, init_blocks=0, local_blocks=1,
+                                            width=prob.width)
+
+
+def header(transports: list[str]) -> str:
+    cols = "".join(f" {t + ' us':>13} {'x':>5}" for t in transports)
+    return (f"{'fmt':>5} {'rows':>4} {'ctx':>5} {'MiB/rank':>8}{cols} {'score us':>9} "
+            f"{'no-CP us':>9} {'CP gain':>7} {'agree':>5}")
+
+
+def line(r: dict, transports: list[str]) -> str:
+    times = {t: r[t]["median_ms"] for t in transports}
+    best = min(times.values())
+    cols = "".join(f" {times[t] * 1e3:>13.1f} {times[t] / best:>5.2f}" for t in transports)
+    score = r.get("score", {}).get("median_ms")
+    nocp = r.get("nocp", {}).get("median_ms")
+    gain = f"{nocp / best:>6.2f}x" if nocp else ""  # no-CP time over the fastest CP transport
+    return (f"{r['format']:>5} {r['rows']:>4} {r['context'] // 1024:>4}K "
+            f"{r['scan_bytes_rank'] / 2**20:>8.2f}{cols} "
+            f"{(score or 0) * 1e3:>9.1f} {(nocp or 0) * 1e3:>9.1f} {gain:>7} "
+            f"{'yes' if all(r['agree'].values()) else 'NO':>5}")
+
+
+def _process_job(rank: int, world: int, spec: Spec, use_cuda: bool) -> None:
+    import json
+
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    comm = TorchComm()
+    res = _rank_job(comm, spec, device)
+    if rank == 0 and spec.results_path:
+        with open(spec.results_path, "w") as f:
+            json.dump(res, f)
+
+
+def run(spec: Spec) -> list[dict]:
+    import json
+    import os
+    import tempfile
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    print(header(spec.transports))
+    if gpus == 1 or (gpus > 1 and gpus < spec.world):
+        dev = torch.device("cuda", 0)
+        return run_threads(spec.world, lambda c: _rank_job(c, spec, dev), device=dev)[0]
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    spec.results_path = path
+    spawn_processes(spec.world, _process_job, spec, gpus >= spec.world,
+                    backend="nccl" if gpus >= spec.world else "gloo")
+    with open(path) as f:
+        return json.load(f)
+
+
+def as_dict(spec: Spec) -> dict:
+    return asdict(spec)

@@ -1,0 +1,115 @@
+"""Entry of ``python -m cpindex bench``: the kernel sweep or the transport A/B, then the
+nccl-tests/rccl-tests comparison, JSON and an optional plot."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+
+import torch
+
+from . import ab, kernel_sweep, nccl_tests
+
+K = 1024
+
+
+def _device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+
+
+def main(args: argparse.Namespace) -> dict:
+    gpu = torch.cuda.is_available()
+    fmts = args.formats.split(",")
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": _device_name(),
+        "torch": torch.__version__,
+        "args": {k: v for k, v in vars(args).items() if k != "func"},
+    }
+    if args.kernel:
+        if not gpu:
+            raise SystemExit("bench --kernel needs a GPU")
+        res = kernel_sweep.run(fmts, args.rows or [1, 8, 32, 128],
+                               args.context or [8 * K, 32 * K, 128 * K, 512 * K], args.iters or 20)
+        print("\n" + kernel_sweep.table(res))
+        out = {"meta": meta, **res}
+    else:
+        transports = [t for t in args.transports.split(",") if t]
+        if not gpu:  # ipc/mori cannot run on a CPU world: say so, run what can
+            skipped = [t for t in transports if t in ("ipc", "mori")]
+            transports = [t for t in transports if t not in skipped] or ["collective"]
+            if skipped:
+                print(f"CPU machine: skipping {', '.join(skipped)} (they need GPUs)")
+        spec = ab.Spec(
+            transports=transports,
+            world=args.world,
+            formats=fmts,
+            rows=args.rows or ([1, 8, 32] if gpu else [1, 8]),
+            contexts=args.context or ([8 * K, 32 * K, 128 * K] if gpu else [2 * K, 8 * K]),
+            graphs=args.graphs,
+            iters=args.iters or (50 if gpu else 5),
+        )
+        rows = ab.run(spec)
+        out = {"meta": meta, "spec": ab.as_dict(spec), "results": rows}
+        out["nccl_tests"] = _nccl_tests(args, rows, spec)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote {args.out}")
+    if args.plot:
+        _plot(out, args.plot)
+    return out
+
+
+def _nccl_tests(args: argparse.Namespace, rows: list[dict], spec: ab.Spec) -> dict | None:
+    """alltoall_perf at the score exchange's message sizes, beside the collective's time."""
+    path = nccl_tests.find_binary("alltoall_perf", args.rccl_tests)
+    if path is None:
+        print("nccl-tests/rccl-tests: no alltoall_perf binary given or on PATH; column left empty")
+        return None
+    sizes = sorted({4 * r["rows"] * (r["context"] // 128) for r in rows})  # fp32 scores per rank
+    table = nccl_tests.run_binary(path, min_bytes=min(sizes), max_bytes=max(sizes),
+                                  ngpus=min(spec.world, torch.cuda.device_count() or 1))
+    print(f"{'bytes':>10} {'alltoall_perf us':>17}")
+    for t in table:
+        print(f"{t.size_bytes:>10} {t.oop_time_us:>17.1f}")
+    return {"binary": path, "rows": [t.__dict__ for t in table]}
+
+
+def _plot(out: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot needs matplotlib (pip install cpindex[bench]); skipped")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    if "kernel" in out:
+        for fmt in sorted({r["format"] for r in out["kernel"]}):
+            for rows in sorted({r["rows"] for r in out["kernel"]}):
+                pts = [r for r in out["kernel"] if r["format"] == fmt and r["rows"] == rows]
+                ax.plot([r["context"] for r in pts], [r["kernel_ms"] * 1e3 for r in pts],
+                        marker="o", label=f"{fmt} rows={rows}")
+        ax.set_title(f"cpindex kernel alone ({out['meta']['device']})")
+    else:
+        series = list(out["spec"]["transports"]) + ["score", "nocp"]
+        for fmt in out["spec"]["formats"]:
+            for rows in out["spec"]["rows"]:
+                pts = [r for r in out["results"] if r["format"] == fmt and r["rows"] == rows]
+                for s in series:
+                    if all(s in r for r in pts):
+                        ax.plot([r["context"] for r in pts], [r[s]["median_ms"] * 1e3 for r in pts],
+                                marker="o", label=f"{s} {fmt} rows={rows}")
+        ax.set_title(f"cpindex transports, world {out['spec']['world']} ({out['meta']['device']})")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("time per call (us)")
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
