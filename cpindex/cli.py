@@ -8,7 +8,9 @@ import sys
 
 
 def _ints(text: str) -> list[int]:
-    return [int(float(x[:-1]) * 1024) if x.lower().endswith("k") else int(x) for x in text.split(",")]
+    return [
+        int(float(x[:-1]) * 1024) if x.lower().endswith("k") else int(x) for x in text.split(",")
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,8 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True)
     b.add_argument("--kernel", action="store_true", help="kernel-only sweep (single GPU)")
     b.add_argument("--iters", type=int, default=None)
-    b.add_argument("--rccl-tests", dest="rccl_tests", default=None,
-                   help="directory or alltoall_perf binary of nccl-tests/rccl-tests")
+    b.add_argument(
+        "--rccl-tests",
+        dest="rccl_tests",
+        default=None,
+        help="directory or alltoall_perf binary of nccl-tests/rccl-tests",
+    )
     b.add_argument("--out", default=None, help="write every figure as JSON here")
     b.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
 

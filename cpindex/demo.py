@@ -43,15 +43,22 @@ def _rank_job(comm: Comm, args: DemoArgs, device: torch.device) -> dict:
         times = []
         for _ in range(args.repeats):
             t0 = time.perf_counter()
-            out = cp.score_push(iq, prob.index_cache, prob.block_table, prob.seq_lens,
-                                0, 1, prob.width)
+            out = cp.score_push(
+                iq, prob.index_cache, prob.block_table, prob.seq_lens, 0, 1, prob.width
+            )
             if device.type == "cuda":
                 torch.cuda.current_stream().synchronize()
             times.append(time.perf_counter() - t0)
         out = out.clone()
         want = reference.block_scores(
-            prob.q, prob.index_cache, prob.block_table, prob.seq_lens,
-            init_blocks=0, local_blocks=1, width=prob.width, sm_scale=cfg.sm_scale,
+            prob.q,
+            prob.index_cache,
+            prob.block_table,
+            prob.seq_lens,
+            init_blocks=0,
+            local_blocks=1,
+            width=prob.width,
+            sm_scale=cfg.sm_scale,
         )[partition.heads_of_rank(comm.rank, cfg.num_heads, comm.world_size)]
         finite = torch.isfinite(want)
         err = (out - want).abs()[finite].max().item() if finite.any() else 0.0
@@ -88,10 +95,14 @@ def _print(results: list[dict], args: DemoArgs) -> None:
         f"cpindex demo: {args.world} ranks, {args.rows} rows up to {args.context} tokens "
         f"({total} blocks), format {args.fmt}, transport {results[0]['transport']}"
     )
-    print(f"{'rank':>4} {'device':>8} {'time/call':>11} {'scanned':>10} {'max|err|':>9}  match  top-16")
+    print(
+        f"{'rank':>4} {'device':>8} {'time/call':>11} {'scanned':>10} {'max|err|':>9}"
+        "  match  top-16"
+    )
     for r in results:
         print(
-            f"{r['rank']:>4} {r['device']:>8} {r['median_ms']:>8.2f} ms {r['bytes'] / 2**20:>7.2f} MiB "
+            f"{r['rank']:>4} {r['device']:>8} {r['median_ms']:>8.2f} ms "
+            f"{r['bytes'] / 2**20:>7.2f} MiB "
             f"{r['max_err']:>9.2e}  {'yes' if r['match'] else 'NO':>5}  "
             f"{'same' if r['topk_match'] else 'DIFF':>6}"
         )

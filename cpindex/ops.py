@@ -64,8 +64,18 @@ def _block_scores(
         num_heads=heads, world_size=1, cache_format=formats.detect_format(index_cache),
         max_rows=max(1, rows), max_width=max(1, width),
     )  # fmt: skip
-    check_call(cfg, heads, q.device, q, index_cache, block_table, seq_lens, init_blocks,
-               local_blocks, width)
+    check_call(
+        cfg,
+        heads,
+        q.device,
+        q,
+        index_cache,
+        block_table,
+        seq_lens,
+        init_blocks,
+        local_blocks,
+        width,
+    )
     if q.device.type != "cuda":
         return reference.block_scores(
             q, index_cache, block_table, seq_lens, init_blocks=init_blocks,
@@ -121,8 +131,9 @@ def _score_push(
     width: int,
 ) -> torch.Tensor:
     cp = _instances[handle]
-    out = cp.score_push(iq, _join(cache, scales), block_table, seq_lens, init_blocks,
-                        local_blocks, width)
+    out = cp.score_push(
+        iq, _join(cache, scales), block_table, seq_lens, init_blocks, local_blocks, width
+    )
     return out.clone()
 
 

@@ -35,9 +35,7 @@ class Problem:
 
     def to(self, device: torch.device | str) -> Problem:
         cache = self.index_cache
-        moved = (
-            tuple(t.to(device) for t in cache) if isinstance(cache, tuple) else cache.to(device)
-        )
+        moved = tuple(t.to(device) for t in cache) if isinstance(cache, tuple) else cache.to(device)
         return Problem(
             self.q.to(device),
             moved,  # type: ignore[arg-type]
@@ -51,7 +49,8 @@ class Problem:
 def random_lengths(
     rows: int, max_len: int, generator: torch.Generator, *, min_len: int = 1
 ) -> torch.Tensor:
-    """Ragged lengths in ``[min_len, max_len]``, always including ``max_len`` (and 1 if rows > 2)."""
+    """Ragged lengths in ``[min_len, max_len]``; includes ``max_len`` (and ``min_len`` if
+    rows > 2)."""
     lens = torch.randint(min_len, max_len + 1, (rows,), generator=generator)
     lens[0] = max_len
     if rows > 2:

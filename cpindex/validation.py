@@ -101,26 +101,35 @@ def check_call(
         )
     formats.check_cache(index_cache, cfg.cache_format)
     for k, part in enumerate(index_cache if isinstance(index_cache, tuple) else (index_cache,)):
-        _on("index_cache" if not isinstance(index_cache, tuple) else f"index_cache[{k}]", part,
-            device)
+        _on(
+            "index_cache" if not isinstance(index_cache, tuple) else f"index_cache[{k}]",
+            part,
+            device,
+        )
 
     block_table = _tensor("block_table", block_table)
     if block_table.dtype != torch.int32:
-        raise TypeError(f"block_table: expected torch.int32 [rows, max_blocks], got {_desc(block_table)}")
+        raise TypeError(
+            f"block_table: expected torch.int32 [rows, max_blocks], got {_desc(block_table)}"
+        )
     if block_table.dim() != 2 or block_table.shape[0] != rows or block_table.shape[1] < 1:
         raise ValueError(
             f"block_table: expected torch.int32 [{rows}, max_blocks >= 1] (rows from iq), "
             f"got {_desc(block_table)}"
         )
     if block_table.stride(1) != 1:
-        raise ValueError(f"block_table: rows must be contiguous, got strides {block_table.stride()}")
+        raise ValueError(
+            f"block_table: rows must be contiguous, got strides {block_table.stride()}"
+        )
     _on("block_table", block_table, device)
 
     seq_lens = _tensor("seq_lens", seq_lens)
     if seq_lens.dtype != torch.int32:
         raise TypeError(f"seq_lens: expected torch.int32 [{rows}], got {_desc(seq_lens)}")
     if seq_lens.shape != (rows,) or not seq_lens.is_contiguous():
-        raise ValueError(f"seq_lens: expected contiguous torch.int32 [{rows}], got {_desc(seq_lens)}")
+        raise ValueError(
+            f"seq_lens: expected contiguous torch.int32 [{rows}], got {_desc(seq_lens)}"
+        )
     _on("seq_lens", seq_lens, device)
 
     init_blocks = _count("init_blocks", init_blocks, 0)

@@ -82,7 +82,9 @@ class TorchComm:
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         if not dist.is_initialized():
-            raise ValueError("group: torch.distributed is not initialized (init_process_group first)")
+            raise ValueError(
+                "group: torch.distributed is not initialized (init_process_group first)"
+            )
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
@@ -276,7 +278,9 @@ def run_threads(
             errors[rank] = e
             world.abort()
 
-    threads = [threading.Thread(target=body, args=(r,), name=f"cpindex-rank{r}") for r in range(world_size)]
+    threads = [
+        threading.Thread(target=body, args=(r,), name=f"cpindex-rank{r}") for r in range(world_size)
+    ]
     for t in threads:
         t.start()
     for t in threads:

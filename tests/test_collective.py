@@ -396,8 +396,9 @@ def _gloo_late_rank(rank: int, world: int, path: str) -> None:
         time.sleep(4.0)  # never calls score_push; stays alive so the timeout is what fires
     else:
         try:
-            cp.score_push(prob.rank_queries(rank, world), prob.index_cache, prob.block_table,
-                          prob.seq_lens)
+            cp.score_push(
+                prob.rank_queries(rank, world), prob.index_cache, prob.block_table, prob.seq_lens
+            )
         except cpindex.PeerTimeoutError as e:
             result = f"{e.rank} {e.peer} {e.call} {e}"
     with open(f"{path}/rank{rank}.txt", "w") as f:

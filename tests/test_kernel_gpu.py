@@ -34,8 +34,15 @@ def test_kernel_matches_reference(fmt, case):
     rows, max_len, init, local, extra = case
     prob = testing.make_problem(rows, max_len, fmt, seed=hash(case) % 1000, device="cuda")
     prob.width += extra
-    got = ops.block_scores(prob.q, prob.index_cache, prob.block_table, prob.seq_lens,
-                           init_blocks=init, local_blocks=local, width=prob.width)
+    got = ops.block_scores(
+        prob.q,
+        prob.index_cache,
+        prob.block_table,
+        prob.seq_lens,
+        init_blocks=init,
+        local_blocks=local,
+        width=prob.width,
+    )
     assert_scores(got, expected(prob, init, local))
 
 
@@ -60,11 +67,20 @@ def test_portable_path_matches(fmt):
     prob = testing.make_problem(9, 7000, fmt, seed=11, device="cuda")
     dev = torch.device("cuda", torch.cuda.current_device())
     mon = launcher.ErrorMonitor(dev, 0)
-    scorer = launcher.KernelScorer(dev, fmt, num_heads=4, rank=0, world=1,
-                                   sm_scale=128**-0.5, monitor=mon, portable=True)
+    scorer = launcher.KernelScorer(
+        dev, fmt, num_heads=4, rank=0, world=1, sm_scale=128**-0.5, monitor=mon, portable=True
+    )
     out = torch.full((4, prob.rows, prob.width), float("nan"), device="cuda")
-    scorer.score_local(prob.q, prob.index_cache, prob.block_table, prob.seq_lens, out,
-                       init_blocks=1, local_blocks=1, width=prob.width)
+    scorer.score_local(
+        prob.q,
+        prob.index_cache,
+        prob.block_table,
+        prob.seq_lens,
+        out,
+        init_blocks=1,
+        local_blocks=1,
+        width=prob.width,
+    )
     assert_scores(out, expected(prob, 1, 1))
 
 
@@ -76,12 +92,22 @@ def test_shard_mode_covers_rank_columns(world):
     dev = torch.device("cuda", torch.cuda.current_device())
     mon = launcher.ErrorMonitor(dev, 0)
     for rank in range(world):
-        sc = launcher.KernelScorer(dev, "nvfp4", num_heads=4, rank=rank, world=world,
-                                   sm_scale=128**-0.5, monitor=mon)
+        sc = launcher.KernelScorer(
+            dev, "nvfp4", num_heads=4, rank=rank, world=world, sm_scale=128**-0.5, monitor=mon
+        )
         kw = -(-prob.width // world)
         out = torch.full((4, prob.rows, kw), float("nan"), device="cuda")
-        sc.score_local(prob.q, prob.index_cache, prob.block_table, prob.seq_lens, out,
-                       init_blocks=0, local_blocks=1, width=prob.width, shard=True)
+        sc.score_local(
+            prob.q,
+            prob.index_cache,
+            prob.block_table,
+            prob.seq_lens,
+            out,
+            init_blocks=0,
+            local_blocks=1,
+            width=prob.width,
+            shard=True,
+        )
         cols = torch.arange(rank, prob.width, world)
         assert_scores(out[:, :, : cols.numel()], full[:, :, cols])
 
@@ -113,7 +139,9 @@ def test_graph_capture_replays_with_new_inputs():
         new = testing.make_problem(rows, max_len, "nvfp4", seed=100 + step, device="cuda")
         q.copy_(new.q)
         sl.copy_(testing.random_lengths(rows, max_len, gen).cuda())
-        bt.copy_(torch.randperm(bt.numel(), generator=gen).view_as(bt).cuda().int() % cache.shape[0])
+        bt.copy_(
+            torch.randperm(bt.numel(), generator=gen).view_as(bt).cuda().int() % cache.shape[0]
+        )
         out.fill_(float("nan"))
         g.replay()
         want = testing.Problem(q, cache, bt, sl, base.width, "nvfp4")

@@ -40,8 +40,9 @@ def _problems(fmt, n, seed, num_heads=4, max_rows=32, max_len=256 * 128):
         rows = int(torch.randint(1, max_rows + 1, (1,), generator=gen))
         rows = [1, max_rows][i] if i < 2 else rows
         max_len_i = int(torch.randint(1, max_len + 1, (1,), generator=gen))
-        p = testing.make_problem(rows, max_len_i, fmt, num_heads=num_heads, seed=seed * 100 + i,
-                                 device=DEV)
+        p = testing.make_problem(
+            rows, max_len_i, fmt, num_heads=num_heads, seed=seed * 100 + i, device=DEV
+        )
         p.width = min(256, p.width + int(torch.randint(0, 4, (1,), generator=gen)))
         out.append(p)
     return out
@@ -56,8 +57,15 @@ def test_ipc_matches_collective_and_reference(fmt, world):
     def job(cp, comm):
         outs = []
         for p in probs:
-            out = cp.score_push(p.rank_queries(comm.rank, comm.world_size), p.index_cache,
-                                p.block_table, p.seq_lens, 0, 1, p.width)
+            out = cp.score_push(
+                p.rank_queries(comm.rank, comm.world_size),
+                p.index_cache,
+                p.block_table,
+                p.seq_lens,
+                0,
+                1,
+                p.width,
+            )
             outs.append(out.clone())
             out.fill_(float("nan"))  # poison: the next call must rewrite everything it returns
         return cp.transport_name, outs
@@ -66,7 +74,7 @@ def test_ipc_matches_collective_and_reference(fmt, world):
     coll = _world(world, job, transport="collective", cache_format=fmt)
     for rank in range(world):
         assert ipc[rank][0] == "ipc" and coll[rank][0] == "collective"
-        for p, ref, a, b in zip(probs, refs, ipc[rank][1], coll[rank][1], strict=True):
+        for ref, a, b in zip(refs, ipc[rank][1], coll[rank][1], strict=True):
             assert torch.equal(a, b), "ipc and collective differ"
             assert_scores(a, for_rank(ref, rank, world))
 
@@ -80,8 +88,12 @@ def test_replicated_heads_and_pair_layout():
         p.index_cache = formats.to_nvfp4_pair(p.index_cache)
 
     def job(cp, comm):
-        return [cp.score_push(p.rank_queries(comm.rank, 4), p.index_cache, p.block_table,
-                              p.seq_lens).clone() for p in probs]
+        return [
+            cp.score_push(
+                p.rank_queries(comm.rank, 4), p.index_cache, p.block_table, p.seq_lens
+            ).clone()
+            for p in probs
+        ]
 
     res = _world(4, job, transport="ipc", num_heads=2)
     for rank in range(4):
@@ -128,28 +140,44 @@ def test_graph_capture_replays_handshake():
     fmt, replays, n_var = "nvfp4", 1000, 4
     shapes = [(1, 8), (5, 20), (17, 32)]  # rows, blocks
     gen = torch.Generator().manual_seed(3)
-    base = [testing.make_problem(r, b * 128, fmt, seed=i, device=DEV)
-            for i, (r, b) in enumerate(shapes)]
+    base = [
+        testing.make_problem(r, b * 128, fmt, seed=i, device=DEV) for i, (r, b) in enumerate(shapes)
+    ]
     pages = [p.index_cache.shape[0] for p in base]
-    var = [[(testing.make_problem(r, b * 128, fmt, seed=50 + 3 * v + i).q.to(DEV),
-             testing.random_lengths(r, b * 128, gen).to(DEV),
-             torch.randint(0, pages[i], (r, b), generator=gen, dtype=torch.int32).to(DEV))
-            for i, (r, b) in enumerate(shapes)] for v in range(n_var)]
-    want = [[expected(testing.Problem(q, base[i].index_cache, bt, sl, base[i].width, fmt), 0, 1)
-             for i, (q, sl, bt) in enumerate(vs)] for vs in var]
+    var = [
+        [
+            (
+                testing.make_problem(r, b * 128, fmt, seed=50 + 3 * v + i).q.to(DEV),
+                testing.random_lengths(r, b * 128, gen).to(DEV),
+                torch.randint(0, pages[i], (r, b), generator=gen, dtype=torch.int32).to(DEV),
+            )
+            for i, (r, b) in enumerate(shapes)
+        ]
+        for v in range(n_var)
+    ]
+    want = [
+        [
+            expected(testing.Problem(q, base[i].index_cache, bt, sl, base[i].width, fmt), 0, 1)
+            for i, (q, sl, bt) in enumerate(vs)
+        ]
+        for vs in var
+    ]
 
     def job(cp, comm):
         r = comm.rank
-        st = [(p.rank_queries(r, 4).clone(), p.block_table.clone(), p.seq_lens.clone())
-              for p in base]
+        st = [
+            (p.rank_queries(r, 4).clone(), p.block_table.clone(), p.seq_lens.clone()) for p in base
+        ]
         for (q, bt, sl), p in zip(st, base, strict=True):  # warm up outside capture
             cp.score_push(q, p.index_cache, bt, sl, 0, 1, p.width)
         torch.cuda.current_stream().synchronize()
         comm.barrier()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, capture_error_mode="thread_local"):
-            outs = [cp.score_push(q, p.index_cache, bt, sl, 0, 1, p.width).clone()
-                    for (q, bt, sl), p in zip(st, base, strict=True)]
+            outs = [
+                cp.score_push(q, p.index_cache, bt, sl, 0, 1, p.width).clone()
+                for (q, bt, sl), p in zip(st, base, strict=True)
+            ]
         comm.barrier()
         for i in range(replays):
             v = i % n_var
@@ -232,11 +260,20 @@ def _ipc_pair(rank: int, world: int, path: str) -> None:
         dist.broadcast_object_list(h, src=0)
         peer = mod.ipc_open(h[0], 0)
         mon = launcher.ErrorMonitor(dev, 1)
-        sc = launcher.KernelScorer(dev, "fp8", num_heads=4, rank=0, world=1, sm_scale=128**-0.5,
-                                   monitor=mon)
+        sc = launcher.KernelScorer(
+            dev, "fp8", num_heads=4, rank=0, world=1, sm_scale=128**-0.5, monitor=mon
+        )
         out = view_bytes(peer, nbytes, dev).view(torch.float32).view(4, prob.rows, prob.width)
-        sc.score_local(prob.q, prob.index_cache, prob.block_table, prob.seq_lens, out,
-                       init_blocks=0, local_blocks=1, width=prob.width)
+        sc.score_local(
+            prob.q,
+            prob.index_cache,
+            prob.block_table,
+            prob.seq_lens,
+            out,
+            init_blocks=0,
+            local_blocks=1,
+            width=prob.width,
+        )
         torch.cuda.synchronize()
         dist.barrier()
         dist.barrier()

@@ -47,8 +47,9 @@ def _problem(fmt: str, rows: int, ctx: int, device: torch.device) -> testing.Pro
     cache = synthetic_cache(rows * blocks, fmt, device, seed=rows + ctx)
     table = torch.arange(rows * blocks, dtype=torch.int32, device=device).view(rows, blocks)
     lens = torch.full((rows,), ctx, dtype=torch.int32, device=device)
-    return testing.Problem(synthetic_queries(rows, 4, fmt, device, seed=ctx), cache, table,
-                           lens, blocks, fmt)
+    return testing.Problem(
+        synthetic_queries(rows, 4, fmt, device, seed=ctx), cache, table, lens, blocks, fmt
+    )
 
 
 def _time(fn, spec: Spec, device: torch.device) -> list[float]:
@@ -63,16 +64,23 @@ def _rank_job(comm: Comm, spec: Spec, device: torch.device) -> list[dict]:
     for fmt in spec.formats:
         cps = {}
         for t in spec.transports:
-            cfg = CPIndexConfig(transport=t, cache_format=fmt, max_rows=rows_max,
-                                max_width=width_max)
+            cfg = CPIndexConfig(
+                transport=t, cache_format=fmt, max_rows=rows_max, max_width=width_max
+            )
             cps[t] = IndexCP(cfg, device=device, comm=comm)
         for rows in spec.rows:
             for ctx in spec.contexts:
                 prob = _problem(fmt, rows, ctx, device)
                 iq = prob.rank_queries(comm.rank, comm.world_size)
                 args = (prob.index_cache, prob.block_table, prob.seq_lens, 0, 1, prob.width)
-                rec = {"format": fmt, "rows": rows, "context": ctx, "world": comm.world_size,
-                       "device": str(device), "graphs": spec.graphs and device.type == "cuda"}
+                rec = {
+                    "format": fmt,
+                    "rows": rows,
+                    "context": ctx,
+                    "world": comm.world_size,
+                    "device": str(device),
+                    "graphs": spec.graphs and device.type == "cuda",
+                }
                 # correctness first: every transport == the full single-device result
                 full = _full_scores(prob, device)
                 mine = full[partition.heads_of_rank(comm.rank, 4, comm.world_size)]
@@ -84,7 +92,13 @@ def _rank_job(comm: Comm, spec: Spec, device: torch.device) -> list[dict]:
                     agree[t] = bool(torch.equal(got, mine))
                 rec["agree"] = agree
                 for t, cp in cps.items():
-                    rec[t] = _stats(_time(lambda i, cp=cp: cp.score_push(iq, *args), spec, device))
+                    rec[t] = _stats(
+                        _time(
+                            lambda i, cp=cp, iq=iq, args=args: cp.score_push(iq, *args),
+                            spec,
+                            device,
+                        )
+                    )
                     rec["transport_" + t] = cp.transport_name
                 comm.barrier()
                 if comm.rank == 0:  # alone on the device: share scoring and no-CP baseline
@@ -93,9 +107,13 @@ def _rank_job(comm: Comm, spec: Spec, device: torch.device) -> list[dict]:
                     rec["nocp"] = _stats(_time(_full_fn(prob, own, device), spec, device))
                 comm.barrier()
                 page = 128 * formats.BYTES_PER_TOKEN[fmt]
-                rec["scan_bytes_rank"] = max(
-                    partition.scanned_blocks(prob.seq_lens, r, comm.world_size, 0, 1)
-                    for r in range(comm.world_size)) * page
+                rec["scan_bytes_rank"] = (
+                    max(
+                        partition.scanned_blocks(prob.seq_lens, r, comm.world_size, 0, 1)
+                        for r in range(comm.world_size)
+                    )
+                    * page
+                )
                 rec["scan_bytes_full"] = partition.scanned_blocks(prob.seq_lens, 0, 1, 0, 1) * page
                 out.append(rec)
                 if comm.rank == 0:
@@ -113,10 +131,26 @@ def _stats(ms: list[float]) -> dict:
 
 def _full_scores(prob: testing.Problem, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
-        return torch.ops.cpindex.block_scores(prob.q, prob.index_cache, None, prob.block_table,
-                                              prob.seq_lens, 0, 1, prob.width, 128**-0.5)
-    return reference.block_scores(prob.q, prob.index_cache, prob.block_table, prob.seq_lens,
-                                  init_blocks=0, local_blocks=1, width=prob.width)
+        return torch.ops.cpindex.block_scores(
+            prob.q,
+            prob.index_cache,
+            None,
+            prob.block_table,
+            prob.seq_lens,
+            0,
+            1,
+            prob.width,
+            128**-0.5,
+        )
+    return reference.block_scores(
+        prob.q,
+        prob.index_cache,
+        prob.block_table,
+        prob.seq_lens,
+        init_blocks=0,
+        local_blocks=1,
+        width=prob.width,
+    )
 
 
 def _share_fn(prob: testing.Problem, comm: Comm, device: torch.device):
@@ -124,32 +158,70 @@ def _share_fn(prob: testing.Problem, comm: Comm, device: torch.device):
     if device.type == "cuda":
         from ..kernels.launcher import ErrorMonitor, KernelScorer
 
-        sc = KernelScorer(device, prob.fmt, num_heads=4, rank=0, world=w, sm_scale=128**-0.5,
-                          monitor=ErrorMonitor(device, 0))
+        sc = KernelScorer(
+            device,
+            prob.fmt,
+            num_heads=4,
+            rank=0,
+            world=w,
+            sm_scale=128**-0.5,
+            monitor=ErrorMonitor(device, 0),
+        )
         shard = torch.empty(4, prob.rows, partition.shard_width(prob.width, w), device=device)
-        return lambda i: sc.score_local(prob.q, prob.index_cache, prob.block_table,
-                                        prob.seq_lens, shard, init_blocks=0, local_blocks=1,
-                                        width=prob.width, shard=True)
+        return lambda i: sc.score_local(
+            prob.q,
+            prob.index_cache,
+            prob.block_table,
+            prob.seq_lens,
+            shard,
+            init_blocks=0,
+            local_blocks=1,
+            width=prob.width,
+            shard=True,
+        )
     cols = partition.owned_columns(0, w, prob.width)
-    return lambda i: reference.block_scores(prob.q, prob.index_cache, prob.block_table,
-                                            prob.seq_lens, init_blocks=0, local_blocks=1,
-                                            width=prob.width, columns=cols)
+    return lambda i: reference.block_scores(
+        prob.q,
+        prob.index_cache,
+        prob.block_table,
+        prob.seq_lens,
+        init_blocks=0,
+        local_blocks=1,
+        width=prob.width,
+        columns=cols,
+    )
 
 
 def _full_fn(prob: testing.Problem, q_own: torch.Tensor, device: torch.device):
     if device.type == "cuda":
         return lambda i: torch.ops.cpindex.block_scores(
-            q_own, prob.index_cache, None, prob.block_table, prob.seq_lens, 0, 1, prob.width,
-            128**-0.5)
-    return lambda i: reference.block_scores(q_own, prob.index_cache, prob.block_table,
-                                            prob.seq_lens, init_blocks=0, local_blocks=1,
-                                            width=prob.width)
+            q_own,
+            prob.index_cache,
+            None,
+            prob.block_table,
+            prob.seq_lens,
+            0,
+            1,
+            prob.width,
+            128**-0.5,
+        )
+    return lambda i: reference.block_scores(
+        q_own,
+        prob.index_cache,
+        prob.block_table,
+        prob.seq_lens,
+        init_blocks=0,
+        local_blocks=1,
+        width=prob.width,
+    )
 
 
 def header(transports: list[str]) -> str:
     cols = "".join(f" {t + ' us':>13} {'x':>5}" for t in transports)
-    return (f"{'fmt':>5} {'rows':>4} {'ctx':>5} {'MiB/rank':>8}{cols} {'score us':>9} "
-            f"{'no-CP us':>9} {'CP gain':>7} {'agree':>5}")
+    return (
+        f"{'fmt':>5} {'rows':>4} {'ctx':>5} {'MiB/rank':>8}{cols} {'score us':>9} "
+        f"{'no-CP us':>9} {'CP gain':>7} {'agree':>5}"
+    )
 
 
 def line(r: dict, transports: list[str]) -> str:
@@ -159,10 +231,12 @@ def line(r: dict, transports: list[str]) -> str:
     score = r.get("score", {}).get("median_ms")
     nocp = r.get("nocp", {}).get("median_ms")
     gain = f"{nocp / best:>6.2f}x" if nocp else ""  # no-CP time over the fastest CP transport
-    return (f"{r['format']:>5} {r['rows']:>4} {r['context'] // 1024:>4}K "
-            f"{r['scan_bytes_rank'] / 2**20:>8.2f}{cols} "
-            f"{(score or 0) * 1e3:>9.1f} {(nocp or 0) * 1e3:>9.1f} {gain:>7} "
-            f"{'yes' if all(r['agree'].values()) else 'NO':>5}")
+    return (
+        f"{r['format']:>5} {r['rows']:>4} {r['context'] // 1024:>4}K "
+        f"{r['scan_bytes_rank'] / 2**20:>8.2f}{cols} "
+        f"{(score or 0) * 1e3:>9.1f} {(nocp or 0) * 1e3:>9.1f} {gain:>7} "
+        f"{'yes' if all(r['agree'].values()) else 'NO':>5}"
+    )
 
 
 def _process_job(rank: int, world: int, spec: Spec, use_cuda: bool) -> None:
@@ -189,8 +263,13 @@ def run(spec: Spec) -> list[dict]:
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     spec.results_path = path
-    spawn_processes(spec.world, _process_job, spec, gpus >= spec.world,
-                    backend="nccl" if gpus >= spec.world else "gloo")
+    spawn_processes(
+        spec.world,
+        _process_job,
+        spec,
+        gpus >= spec.world,
+        backend="nccl" if gpus >= spec.world else "gloo",
+    )
     with open(path) as f:
         return json.load(f)
 

@@ -58,9 +58,17 @@ def run(formats_: list[str], rows_list: list[int], contexts: list[int], iters: i
                     out = torch.empty(4, rows, blocks, device=dev)
 
                     def tcall(i, q=q, cache=cache, tables=tables, lens=lens, sets=sets, out=out):
-                        triton_block_scores(q, cache, tables[i % sets], lens, init_blocks=0,
-                                            local_blocks=1, width=tables.shape[2],
-                                            sm_scale=128**-0.5, out=out)
+                        triton_block_scores(
+                            q,
+                            cache,
+                            tables[i % sets],
+                            lens,
+                            init_blocks=0,
+                            local_blocks=1,
+                            width=tables.shape[2],
+                            sm_scale=128**-0.5,
+                            out=out,
+                        )
 
                     row["triton_ms"] = statistics.median(time_calls(tcall, iters, 3, dev))
                     ref = call(0)
@@ -78,18 +86,21 @@ def run(formats_: list[str], rows_list: list[int], contexts: list[int], iters: i
 
 
 def header() -> str:
-    return (f"{'fmt':>5} {'rows':>4} {'context':>7} {'MiB read':>9} {'kernel us':>10} "
-            f"{'GB/s':>6} {'% copy':>6} {'triton us':>10} {'speedup':>7}")
+    return (
+        f"{'fmt':>5} {'rows':>4} {'context':>7} {'MiB read':>9} {'kernel us':>10} "
+        f"{'GB/s':>6} {'% copy':>6} {'triton us':>10} {'speedup':>7}"
+    )
 
 
 def _line(r: dict) -> str:
     t = r.get("triton_ms")
     extra = f"{t * 1e3:>10.1f} {t / r['kernel_ms']:>6.2f}x" if t else f"{'':>10} {'':>7}"
-    return (f"{r['format']:>5} {r['rows']:>4} {r['context'] // 1024:>6}K "
-            f"{r['bytes'] / 2**20:>9.1f} {r['kernel_ms'] * 1e3:>10.1f} {r['gbs']:>6.0f} "
-            f"{100 * r['of_copy']:>5.0f}% {extra}")
+    return (
+        f"{r['format']:>5} {r['rows']:>4} {r['context'] // 1024:>6}K "
+        f"{r['bytes'] / 2**20:>9.1f} {r['kernel_ms'] * 1e3:>10.1f} {r['gbs']:>6.0f} "
+        f"{100 * r['of_copy']:>5.0f}% {extra}"
+    )
 
 
 def table(res: dict) -> str:
     return "\n".join([header(), *(_line(r) for r in res["kernel"])])
-

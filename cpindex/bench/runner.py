@@ -16,7 +16,9 @@ K = 1024
 
 
 def _device_name() -> str:
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    return (
+        torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    )
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -31,8 +33,12 @@ def main(args: argparse.Namespace) -> dict:
     if args.kernel:
         if not gpu:
             raise SystemExit("bench --kernel needs a GPU")
-        res = kernel_sweep.run(fmts, args.rows or [1, 8, 32, 128],
-                               args.context or [8 * K, 32 * K, 128 * K, 512 * K], args.iters or 20)
+        res = kernel_sweep.run(
+            fmts,
+            args.rows or [1, 8, 32, 128],
+            args.context or [8 * K, 32 * K, 128 * K, 512 * K],
+            args.iters or 20,
+        )
         print("\n" + kernel_sweep.table(res))
         out = {"meta": meta, **res}
     else:
@@ -70,8 +76,12 @@ def _nccl_tests(args: argparse.Namespace, rows: list[dict], spec: ab.Spec) -> di
         print("nccl-tests/rccl-tests: no alltoall_perf binary given or on PATH; column left empty")
         return None
     sizes = sorted({4 * r["rows"] * (r["context"] // 128) for r in rows})  # fp32 scores per rank
-    table = nccl_tests.run_binary(path, min_bytes=min(sizes), max_bytes=max(sizes),
-                                  ngpus=min(spec.world, torch.cuda.device_count() or 1))
+    table = nccl_tests.run_binary(
+        path,
+        min_bytes=min(sizes),
+        max_bytes=max(sizes),
+        ngpus=min(spec.world, torch.cuda.device_count() or 1),
+    )
     print(f"{'bytes':>10} {'alltoall_perf us':>17}")
     for t in table:
         print(f"{t.size_bytes:>10} {t.oop_time_us:>17.1f}")
@@ -92,18 +102,26 @@ def _plot(out: dict, path: str) -> None:
         for fmt in sorted({r["format"] for r in out["kernel"]}):
             for rows in sorted({r["rows"] for r in out["kernel"]}):
                 pts = [r for r in out["kernel"] if r["format"] == fmt and r["rows"] == rows]
-                ax.plot([r["context"] for r in pts], [r["kernel_ms"] * 1e3 for r in pts],
-                        marker="o", label=f"{fmt} rows={rows}")
+                ax.plot(
+                    [r["context"] for r in pts],
+                    [r["kernel_ms"] * 1e3 for r in pts],
+                    marker="o",
+                    label=f"{fmt} rows={rows}",
+                )
         ax.set_title(f"cpindex kernel alone ({out['meta']['device']})")
     else:
-        series = list(out["spec"]["transports"]) + ["score", "nocp"]
+        series = [*out["spec"]["transports"], "score", "nocp"]
         for fmt in out["spec"]["formats"]:
             for rows in out["spec"]["rows"]:
                 pts = [r for r in out["results"] if r["format"] == fmt and r["rows"] == rows]
                 for s in series:
                     if all(s in r for r in pts):
-                        ax.plot([r["context"] for r in pts], [r[s]["median_ms"] * 1e3 for r in pts],
-                                marker="o", label=f"{s} {fmt} rows={rows}")
+                        ax.plot(
+                            [r["context"] for r in pts],
+                            [r[s]["median_ms"] * 1e3 for r in pts],
+                            marker="o",
+                            label=f"{s} {fmt} rows={rows}",
+                        )
         ax.set_title(f"cpindex transports, world {out['spec']['world']} ({out['meta']['device']})")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")

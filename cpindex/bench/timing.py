@@ -16,7 +16,9 @@ def summarize(ms: list[float]) -> dict[str, float]:
     return {"median_ms": statistics.median(s), "p90_ms": s[min(len(s) - 1, int(0.9 * len(s)))]}
 
 
-def time_calls(fn: Callable[[int], object], iters: int, warmup: int, device: torch.device) -> list[float]:
+def time_calls(
+    fn: Callable[[int], object], iters: int, warmup: int, device: torch.device
+) -> list[float]:
     """Per-call times in ms: CUDA events around each call on the current stream, or the host
     clock on CPU. ``fn(i)`` runs call ``i`` (rotate inputs with ``i``)."""
     for i in range(warmup):
@@ -38,7 +40,9 @@ def time_calls(fn: Callable[[int], object], iters: int, warmup: int, device: tor
     return [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
 
 
-def time_graph(fn: Callable[[int], object], per_graph: int, replays: int, warmup: int) -> list[float]:
+def time_graph(
+    fn: Callable[[int], object], per_graph: int, replays: int, warmup: int
+) -> list[float]:
     """Per-call ms from replays of a CUDA graph holding ``per_graph`` calls."""
     for i in range(warmup):
         fn(i)
@@ -47,7 +51,9 @@ def time_graph(fn: Callable[[int], object], per_graph: int, replays: int, warmup
     with torch.cuda.graph(g, capture_error_mode="thread_local"):
         for i in range(per_graph):
             fn(i)
-    return [t / per_graph for t in time_calls(lambda i: g.replay(), replays, 2, torch.device("cuda"))]
+    return [
+        t / per_graph for t in time_calls(lambda i: g.replay(), replays, 2, torch.device("cuda"))
+    ]
 
 
 def copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 30) -> float:
@@ -69,8 +75,9 @@ def synthetic_cache(pages: int, fmt: str, device: torch.device, seed: int = 0) -
             p1 = min(pages, p0 + 4096)
             out[p0:p1] = torch.randn(p1 - p0, 128, 128, device=device, generator=g)
         return out
-    cache = torch.randint(0, 256, (pages, formats.NVFP4_PAGE_BYTES), device=device,
-                          dtype=torch.uint8, generator=g)
+    cache = torch.randint(
+        0, 256, (pages, formats.NVFP4_PAGE_BYTES), device=device, dtype=torch.uint8, generator=g
+    )
     # any nibble is a valid e2m1 value; scales: e4m3 bytes 0x30..0x3f (0.5 .. ~0.94)
     cache[:, formats.NVFP4_VALUE_BYTES :] = 0x30 + (cache[:, formats.NVFP4_VALUE_BYTES :] & 0x0F)
     return cache

@@ -121,14 +121,22 @@ class KernelScorer:
         """A ScoreParams image (pointers to keys, table and lengths are patched per call)."""
         p = structs.ScoreParams()
         p.q = q_ptr
-        p.q_src_stride, p.q_row_stride, p.q_heads_per_src = q_src_stride, q_row_stride, q_heads_per_src
+        p.q_src_stride, p.q_row_stride, p.q_heads_per_src = (
+            q_src_stride,
+            q_row_stride,
+            q_heads_per_src,
+        )
         p.rows, p.width, p.num_heads = rows, width, self.num_heads
         p.rank, p.world = self.rank, self.world
         p.init_blocks, p.local_blocks = init_blocks, local_blocks
         p.scale = self.sm_scale
         for i, ptr in enumerate(dst):
             p.dst[i] = ptr
-        p.dst_copies, p.shard_columns, p.out_row_stride = dst_copies, int(shard_columns), out_row_stride
+        p.dst_copies, p.shard_columns, p.out_row_stride = (
+            dst_copies,
+            int(shard_columns),
+            out_row_stride,
+        )
         p.err, p.err_host = self.monitor.device_ptr, self.monitor.host_device_ptr
         return structs.image(p)
 

@@ -85,9 +85,12 @@ def check_layout(layout: dict[str, int]) -> None:
     for key, value in layout.items():
         kind, field = key.split(".", 1)
         if kind == "sizeof":
-            mine = C.sizeof({"ScoreParams": ScoreParams, "PushState": PushState,
-                             "ErrorWord": ErrorWord}[field])
+            mine = C.sizeof(
+                {"ScoreParams": ScoreParams, "PushState": PushState, "ErrorWord": ErrorWord}[field]
+            )
         else:
             mine = getattr({"ScoreParams": ScoreParams, "PushState": PushState}[kind], field).offset
         if mine != value:
-            raise RuntimeError(f"cpindex kernel struct mismatch: {key} is {value} in C++, {mine} here")
+            raise RuntimeError(
+                f"cpindex kernel struct mismatch: {key} is {value} in C++, {mine} here"
+            )

@@ -62,7 +62,8 @@ class Transport(ABC):
 
     @abstractmethod
     def score_push(self, call: Call) -> torch.Tensor:
-        """This rank's ``[heads_per_rank, rows, width]`` scores, a view valid until the next call."""
+        """This rank's ``[heads_per_rank, rows, width]`` scores, a view valid until the next
+        call."""
 
     def self_test(self) -> tuple[bool, str]:
         """A one-time end-to-end check run at construction (collective)."""
@@ -134,8 +135,14 @@ def select(ctx: Context) -> Transport:
         if ctx.rank == 0:
             chosen = "requested" if explicit else "auto"
             skipped = f"; skipped {', '.join(why_not)}" if why_not else ""
-            log.info("cpindex: transport '%s' (%s) on %d ranks: %s%s", name, chosen, ctx.world,
-                     reports[0][name][1], skipped)
+            log.info(
+                "cpindex: transport '%s' (%s) on %d ranks: %s%s",
+                name,
+                chosen,
+                ctx.world,
+                reports[0][name][1],
+                skipped,
+            )
         transport.selection_note = "; ".join(why_not)  # type: ignore[attr-defined]
         return transport
     raise TransportUnavailable("no transport can run: " + "; ".join(why_not))

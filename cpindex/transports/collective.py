@@ -67,7 +67,7 @@ class CollectiveTransport(Transport):
     def _all_heads(self, q_all: torch.Tensor) -> torch.Tensor:
         """Gathered ``[W, rows, hpr, D]`` queries as ``[rows, H, D]`` (reference path)."""
         h = self.ctx.config.num_heads
-        w, rows, hpr, d = q_all.shape
+        w, rows, _, d = q_all.shape
         src = q_all if h >= w else q_all[:h]
         return src.permute(1, 0, 2, 3).reshape(rows, h, d)
 
@@ -110,8 +110,9 @@ class CollectiveTransport(Transport):
 
         send = shard if self._send_heads is None else shard.index_select(0, self._send_heads)
         recv = self._recv[: w * hpr * rows * kw].view(w, hpr, rows, kw)
-        self._collective("all-to-all of scores", self.ctx.comm.all_to_all_into, recv,
-                         send.view(w, hpr, rows, kw))
+        self._collective(
+            "all-to-all of scores", self.ctx.comm.all_to_all_into, recv, send.view(w, hpr, rows, kw)
+        )
         out = self._out[: hpr * rows * width].view(hpr, rows, width)
         # Column src + W*k of the output is column k of rank src's shard.
         out.copy_(recv.permute(1, 2, 3, 0).reshape(hpr, rows, kw * w)[:, :, :width])

@@ -23,7 +23,9 @@ from .peer import PeerLayout, PushEngine, agree, guarded
 
 def _identity(ctx: Context) -> dict:
     dev = ctx.device
-    uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+    uuids = [
+        str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())
+    ]
     return {
         "host": socket.gethostname(),
         "pid": os.getpid(),
@@ -50,7 +52,10 @@ def peer_access_verdict(ctx: Context, ids: list[dict]) -> tuple[bool, str]:
         if other["uuid"] in me["visible"] and other["uuid"] != me["uuid"]:
             peer_index = me["visible"].index(other["uuid"])
             if not kernels.load(ctx.device).can_access_peer(me["index"], peer_index):
-                return False, f"no peer access from GPU {me['index']} to rank {p}'s GPU {peer_index}"
+                return (
+                    False,
+                    f"no peer access from GPU {me['index']} to rank {p}'s GPU {peer_index}",
+                )
     return True, "peer access between every pair"
 
 
@@ -81,7 +86,9 @@ class IpcTransport(Transport):
         self.peer_access = why
         layout = PeerLayout(ctx.config, ctx.world)
         dev = ctx.device.index
-        self._ptr = guarded(ctx, "ipc buffer allocation", lambda: mod.peer_malloc(layout.total, dev))
+        self._ptr = guarded(
+            ctx, "ipc buffer allocation", lambda: mod.peer_malloc(layout.total, dev)
+        )
         if ctx.comm.same_process:
             bases = ctx.comm.all_gather_object(self._ptr)
         else:
@@ -127,4 +134,3 @@ class IpcTransport(Transport):
         self.engine = None
         mod.peer_free(self._ptr, dev)
         self._ptr = 0
-

@@ -72,9 +72,7 @@ def agree(ctx: Context, ok: bool, why: str, what: str) -> None:
     results = ctx.comm.all_gather_object((ok, why))
     bad = [(r, w) for r, (o, w) in enumerate(results) if not o]
     if bad:
-        raise TransportUnavailable(
-            f"{what} failed: " + "; ".join(f"rank {r}: {w}" for r, w in bad)
-        )
+        raise TransportUnavailable(f"{what} failed: " + "; ".join(f"rank {r}: {w}" for r, w in bad))
 
 
 class PushEngine:
@@ -164,7 +162,9 @@ class PushEngine:
         fmt = cfg.cache_format
         cache = torch.zeros(
             (1, formats.NVFP4_PAGE_BYTES) if fmt == "nvfp4" else (1, 128, 128),
-            dtype=torch.uint8 if fmt == "nvfp4" else (torch.bfloat16 if fmt == "bf16" else torch.float8_e4m3fn),
+            dtype=torch.uint8
+            if fmt == "nvfp4"
+            else (torch.bfloat16 if fmt == "bf16" else torch.float8_e4m3fn),
             device=dev,
         )
         call = Call(
