@@ -31,7 +31,8 @@ class Problem:
     def rank_queries(self, rank: int, world: int) -> torch.Tensor:
         """What rank ``rank`` passes to ``score_push``: its heads' rows ``[rows, hpr, 128]``."""
         heads = partition.heads_of_rank(rank, self.q.shape[1], world)
-        return self.q[:, heads].contiguous()
+        # a slice, not a list index: no host-to-device index copy (which would sync the stream)
+        return self.q[:, heads[0] : heads[-1] + 1].contiguous()
 
     def to(self, device: torch.device | str) -> Problem:
         cache = self.index_cache

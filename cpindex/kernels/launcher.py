@@ -40,7 +40,7 @@ class ErrorMonitor:
         """Raise the recorded error, if any (reads host memory only)."""
         if int(self._code[0]) == 0:
             return
-        w = structs.ErrorWord.from_buffer_copy(self.host.numpy().tobytes())
+        w = structs.ErrorWord.from_buffer_copy(bytes(self.host.tolist()))
         if w.code == structs.ERR_BAD_PAGE:
             raise BadBlockTableError(
                 f"rank {w.rank}: block_table row {w.peer}, column {w.detail} names a page "
