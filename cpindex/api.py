@@ -75,6 +75,11 @@ class IndexCP:
         return self._transport.name
 
     @property
+    def capturable(self) -> bool:
+        """Whether ``score_push`` may be captured in a CUDA/HIP graph with this transport."""
+        return self.device.type == "cuda" and self._transport.capturable
+
+    @property
     def rank(self) -> int:
         return self.comm.rank
 

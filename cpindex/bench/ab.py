@@ -52,8 +52,8 @@ def _problem(fmt: str, rows: int, ctx: int, device: torch.device) -> testing.Pro
     )
 
 
-def _time(fn, spec: Spec, device: torch.device) -> list[float]:
-    if device.type == "cuda" and spec.graphs:
+def _time(fn, spec: Spec, device: torch.device, capturable: bool = True) -> list[float]:
+    if device.type == "cuda" and spec.graphs and capturable:
         return time_graph(fn, per_graph=8, replays=spec.iters, warmup=3)
     return time_calls(fn, spec.iters, 3, device)
 
@@ -92,13 +92,9 @@ def _rank_job(comm: Comm, spec: Spec, device: torch.device) -> list[dict]:
                     agree[t] = bool(torch.equal(got, mine))
                 rec["agree"] = agree
                 for t, cp in cps.items():
-                    rec[t] = _stats(
-                        _time(
-                            lambda i, cp=cp, iq=iq, args=args: cp.score_push(iq, *args),
-                            spec,
-                            device,
-                        )
-                    )
+                    fn = lambda i, cp=cp, iq=iq, args=args: cp.score_push(iq, *args)  # noqa: E731
+                    rec[t] = _stats(_time(fn, spec, device, cp.capturable))
+                    rec[t]["graph"] = bool(spec.graphs and cp.capturable)
                     rec["transport_" + t] = cp.transport_name
                 comm.barrier()
                 if comm.rank == 0:  # alone on the device: share scoring and no-CP baseline

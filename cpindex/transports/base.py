@@ -65,6 +65,11 @@ class Transport(ABC):
         """This rank's ``[heads_per_rank, rows, width]`` scores, a view valid until the next
         call."""
 
+    @property
+    def capturable(self) -> bool:
+        """Whether ``score_push`` can be captured in a CUDA/HIP graph."""
+        return True
+
     def self_test(self) -> tuple[bool, str]:
         """A one-time end-to-end check run at construction (collective)."""
         return True, "no self-test"

@@ -64,6 +64,11 @@ class CollectiveTransport(Transport):
                 portable=ctx.portable_kernel,
             )
 
+    @property
+    def capturable(self) -> bool:
+        # NCCL/RCCL collectives capture; the one-process world exchanges through host barriers.
+        return not self.ctx.comm.same_process
+
     def _all_heads(self, q_all: torch.Tensor) -> torch.Tensor:
         """Gathered ``[W, rows, hpr, D]`` queries as ``[rows, H, D]`` (reference path)."""
         h = self.ctx.config.num_heads
