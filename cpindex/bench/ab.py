@@ -52,9 +52,9 @@ def _problem(fmt: str, rows: int, ctx: int, device: torch.device) -> testing.Pro
     )
 
 
-def _time(fn, spec: Spec, device: torch.device, capturable: bool = True) -> list[float]:
+def _time(fn, spec: Spec, device: torch.device, capturable: bool = True, barrier=None):
     if device.type == "cuda" and spec.graphs and capturable:
-        return time_graph(fn, per_graph=8, replays=spec.iters, warmup=3)
+        return time_graph(fn, per_graph=8, replays=spec.iters, warmup=3, barrier=barrier)
     return time_calls(fn, spec.iters, 3, device)
 
 
@@ -83,7 +83,9 @@ def _rank_job(comm: Comm, spec: Spec, device: torch.device) -> list[dict]:
                 }
                 # correctness first: every transport == the full single-device result
                 full = _full_scores(prob, device)
-                mine = full[partition.heads_of_rank(comm.rank, 4, comm.world_size)]
+                heads = partition.heads_of_rank(comm.rank, 4, comm.world_size)
+                mine = full[heads[0] : heads[-1] + 1]  # a slice: no host-to-device index copy
+                comm.barrier()  # all prep done before anyone launches push kernels
                 agree = {}
                 for t, cp in cps.items():
                     got = cp.score_push(iq, *args).clone()
@@ -93,7 +95,7 @@ def _rank_job(comm: Comm, spec: Spec, device: torch.device) -> list[dict]:
                 rec["agree"] = agree
                 for t, cp in cps.items():
                     fn = lambda i, cp=cp, iq=iq, args=args: cp.score_push(iq, *args)  # noqa: E731
-                    rec[t] = _stats(_time(fn, spec, device, cp.capturable))
+                    rec[t] = _stats(_time(fn, spec, device, cp.capturable, comm.barrier))
                     rec[t]["graph"] = bool(spec.graphs and cp.capturable)
                     rec["transport_" + t] = cp.transport_name
                 comm.barrier()

@@ -41,19 +41,30 @@ def time_calls(
 
 
 def time_graph(
-    fn: Callable[[int], object], per_graph: int, replays: int, warmup: int
+    fn: Callable[[int], object],
+    per_graph: int,
+    replays: int,
+    warmup: int,
+    barrier: Callable[[], None] | None = None,
 ) -> list[float]:
-    """Per-call ms from replays of a CUDA graph holding ``per_graph`` calls."""
+    """Per-call ms from replays of a CUDA graph holding ``per_graph`` calls.
+
+    ``barrier`` (every rank's) brackets the capture: entering capture frees cached memory,
+    a device-wide wait that must not overlap peers' pending push kernels.
+    """
     for i in range(warmup):
         fn(i)
     torch.cuda.current_stream().synchronize()
+    if barrier:
+        barrier()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, capture_error_mode="thread_local"):
         for i in range(per_graph):
             fn(i)
-    return [
-        t / per_graph for t in time_calls(lambda i: g.replay(), replays, 2, torch.device("cuda"))
-    ]
+    if barrier:
+        barrier()
+    times = time_calls(lambda i: g.replay(), replays, 2, torch.device("cuda"))
+    return [t / per_graph for t in times]
 
 
 def copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 30) -> float:
