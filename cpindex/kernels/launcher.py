@@ -63,7 +63,16 @@ class ErrorMonitor:
         )
 
     def clear_host(self) -> None:
+        """Forget the host mirror (after the device word was zeroed)."""
         self.host.zero_()
+
+    def reset(self) -> None:
+        """Zero both words (the device word only if this monitor owns it). Call with the
+        device idle."""
+        if self._own is not None:
+            self._own.zero_()
+            torch.cuda.synchronize(self._own.device)
+        self.clear_host()
 
 
 class KernelScorer:
@@ -194,5 +203,7 @@ class KernelScorer:
                 shard_columns=shard,
                 out_row_stride=cols,
             )
+            if len(self._images) >= 256:  # fresh output tensors each call: keep this bounded
+                self._images.clear()
             self._images[key] = img
         self.launch(q, index_cache, block_table, seq_lens, img, self.grid(rows, width, False))

@@ -39,14 +39,12 @@ class CollectiveTransport(Transport):
         self._shard = torch.empty(cfg.num_heads * cfg.max_rows * kw, device=dev)
         self._recv = torch.empty(w * hpr * cfg.max_rows * kw, device=dev)
         self._out = torch.empty(hpr * cfg.max_rows * cfg.max_width, device=dev)
-        owners = partition.head_owners(cfg.num_heads, w)
         # Which of the shard's heads go to each destination (replicated heads: d % H).
         self._send_heads = (
             None
             if cfg.num_heads >= w
             else torch.tensor([d % cfg.num_heads for d in range(w)], device=dev)
         )
-        assert all(len(o) == len(owners[0]) for o in owners)
         self.calls = 0
         self.scorer = None
         self.monitor = None
@@ -146,7 +144,5 @@ class CollectiveTransport(Transport):
         self.ctx.comm.barrier()
         if self.monitor is not None:
             torch.cuda.synchronize(self.ctx.device)
-            self.monitor._own.zero_()  # type: ignore[union-attr]
-            torch.cuda.synchronize(self.ctx.device)
-            self.monitor.clear_host()
+            self.monitor.reset()
         self.ctx.comm.barrier()
