@@ -114,12 +114,21 @@ def test_shard_mode_covers_rank_columns(world):
 
 def test_bad_page_is_reported_not_read():
     prob = testing.make_problem(3, 2000, "fp8", seed=3, device="cuda")
-    prob.block_table[1, 2] = 10**6
+    prob.block_table[0, 2] = 10**6  # row 0 is the longest: column 2 is scanned
     ops.block_scores(prob.q, prob.index_cache, prob.block_table, prob.seq_lens)
     torch.cuda.synchronize()
-    with pytest.raises(BadBlockTableError, match="row 1, column 2"):
+    with pytest.raises(BadBlockTableError, match="row 0, column 2"):
         ops.block_scores(prob.q, prob.index_cache, prob.block_table, prob.seq_lens)
     ops._scorers.clear()  # the error word is sticky for that scorer
+
+
+def test_row_longer_than_width_is_reported():
+    prob = testing.make_problem(2, 3000, "nvfp4", seed=4, device="cuda")
+    ops.block_scores(prob.q, prob.index_cache, prob.block_table, prob.seq_lens, width=5)
+    torch.cuda.synchronize()
+    with pytest.raises(BadBlockTableError, match="row 0 needs 24 blocks"):
+        ops.block_scores(prob.q, prob.index_cache, prob.block_table, prob.seq_lens)
+    ops._scorers.clear()
 
 
 def test_graph_capture_replays_with_new_inputs():
