@@ -126,7 +126,7 @@ def test_row_longer_than_width_is_reported():
     prob = testing.make_problem(2, 3000, "nvfp4", seed=4, device="cuda")
     ops.block_scores(prob.q, prob.index_cache, prob.block_table, prob.seq_lens, width=5)
     torch.cuda.synchronize()
-    with pytest.raises(BadBlockTableError, match="row 0 needs 24 blocks"):
+    with pytest.raises(BadBlockTableError, match=r"row \d needs \d+ blocks"):
         ops.block_scores(prob.q, prob.index_cache, prob.block_table, prob.seq_lens)
     ops._scorers.clear()
 
