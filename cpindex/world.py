@@ -306,6 +306,8 @@ def _process_entry(rank: int, world_size: int, port: int, backend: str, fn: Call
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
+    else:  # CPU ranks share the cores: without this, W processes oversubscribe them W times
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
