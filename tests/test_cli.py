@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -50,3 +51,18 @@ def test_bad_arguments_exit_2(args):
     res = _cpindex(*args, timeout=60)
     assert res.returncode == 2
     assert "usage: cpindex" in res.stderr
+
+
+def test_bench_cpu_writes_json(tmp_path):
+    """`cpindex bench` on a CPU machine: collective + scoring + no-CP baseline, JSON out."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "cpindex", "bench", "--world", "2", "--rows", "1,3",
+           "--context", "1k", "--iters", "2", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "skipping ipc" in proc.stdout
+    data = json.loads(out.read_text())
+    assert [r["rows"] for r in data["results"]] == [1, 3]
+    for r in data["results"]:
+        assert r["agree"] == {"collective": True}
+        assert r["collective"]["median_ms"] > 0 and r["nocp"]["median_ms"] > 0

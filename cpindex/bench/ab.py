@@ -58,9 +58,28 @@ def _time(fn, spec: Spec, device: torch.device, capturable: bool = True, barrier
     return time_calls(fn, spec.iters, 3, device)
 
 
+def _progress(total: int, enabled: bool):
+    """A tqdm bar on rank 0 when tqdm is installed (``cpindex[bench]``), else nothing."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="bench", unit="shape", leave=False) if enabled else None
+
+
+def _emit(bar, text: str) -> None:
+    if bar is not None:
+        bar.write(text)
+        bar.update(1)
+    else:
+        print(text, flush=True)
+
+
 def _rank_job(comm: Comm, spec: Spec, device: torch.device) -> list[dict]:
     rows_max, width_max = max(spec.rows), max(spec.contexts) // 128
     out: list[dict] = []
+    shapes = len(spec.formats) * len(spec.rows) * len(spec.contexts)
+    bar = _progress(shapes, comm.rank == 0)
     for fmt in spec.formats:
         cps = {}
         for t in spec.transports:
@@ -115,10 +134,12 @@ def _rank_job(comm: Comm, spec: Spec, device: torch.device) -> list[dict]:
                 rec["scan_bytes_full"] = partition.scanned_blocks(prob.seq_lens, 0, 1, 0, 1) * page
                 out.append(rec)
                 if comm.rank == 0:
-                    print(line(rec, spec.transports), flush=True)
+                    _emit(bar, line(rec, spec.transports))
                 del prob
         for cp in cps.values():
             cp.close()
+    if bar is not None:
+        bar.close()
     return out
 
 
