@@ -258,6 +258,10 @@ def line(r: dict, transports: list[str]) -> str:
     )
 
 
+def table(rows: list[dict], transports: list[str]) -> str:
+    return "\n".join([header(transports), *(line(r, transports) for r in rows)])
+
+
 def _process_job(rank: int, world: int, spec: Spec, use_cuda: bool) -> None:
     import json
 

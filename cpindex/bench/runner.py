@@ -58,6 +58,7 @@ def main(args: argparse.Namespace) -> dict:
             iters=args.iters or (50 if gpu else 5),
         )
         rows = ab.run(spec)
+        print("\n" + ab.table(rows, spec.transports))
         out = {"meta": meta, "spec": ab.as_dict(spec), "results": rows}
         out["nccl_tests"] = _nccl_tests(args, rows, spec)
     if args.out:
