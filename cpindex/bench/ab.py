@@ -101,7 +101,7 @@ def _rank_job(comm: Comm, spec: Spec, device: torch.device) -> list[dict]:
                     "graphs": spec.graphs and device.type == "cuda",
                 }
                 # correctness first: every transport == the full single-device result
-                full = _full_scores(prob, device)
+                full = _full_fn(prob, prob.q, device)(0)
                 heads = partition.heads_of_rank(comm.rank, 4, comm.world_size)
                 mine = full[heads[0] : heads[-1] + 1]  # a slice: no host-to-device index copy
                 comm.barrier()  # all prep done before anyone launches push kernels
@@ -146,30 +146,6 @@ def _rank_job(comm: Comm, spec: Spec, device: torch.device) -> list[dict]:
 def _stats(ms: list[float]) -> dict:
     s = sorted(ms)
     return {"median_ms": statistics.median(s), "p90_ms": s[min(len(s) - 1, int(0.9 * len(s)))]}
-
-
-def _full_scores(prob: testing.Problem, device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":
-        return torch.ops.cpindex.block_scores(
-            prob.q,
-            prob.index_cache,
-            None,
-            prob.block_table,
-            prob.seq_lens,
-            0,
-            1,
-            prob.width,
-            128**-0.5,
-        )
-    return reference.block_scores(
-        prob.q,
-        prob.index_cache,
-        prob.block_table,
-        prob.seq_lens,
-        init_blocks=0,
-        local_blocks=1,
-        width=prob.width,
-    )
 
 
 def _share_fn(prob: testing.Problem, comm: Comm, device: torch.device):

@@ -16,9 +16,8 @@ import torch
 
 from .. import kernels
 from ..kernels import structs
-from ..validation import Call
-from .base import Context, Transport, register
-from .peer import PeerLayout, PushEngine, agree, guarded
+from .base import Context, register
+from .peer import PeerLayout, PeerPushTransport, PushEngine, agree, guarded
 
 
 def _identity(ctx: Context) -> dict:
@@ -60,7 +59,7 @@ def peer_access_verdict(ctx: Context, ids: list[dict]) -> tuple[bool, str]:
 
 
 @register
-class IpcTransport(Transport):
+class IpcTransport(PeerPushTransport):
     name = "ipc"
 
     @classmethod
@@ -106,20 +105,6 @@ class IpcTransport(Transport):
 
             bases = guarded(ctx, "opening peers' IPC handles", open_all)
         self.engine = PushEngine(ctx, layout, bases, mod.clock_ticks_per_second(dev))
-
-    def score_push(self, call: Call) -> torch.Tensor:
-        return self.engine.score_push(call)  # type: ignore[union-attr]
-
-    def self_test(self) -> tuple[bool, str]:
-        if not self.ctx.config.ipc_self_test:
-            return True, "self-test disabled by config"
-        return self.engine.self_test()  # type: ignore[union-attr]
-
-    def check(self) -> None:
-        self.engine.check()  # type: ignore[union-attr]
-
-    def reset(self) -> None:
-        self.engine.reset()  # type: ignore[union-attr]
 
     def close(self) -> None:
         if self._ptr == 0:

@@ -32,9 +32,8 @@ import torch.distributed as dist
 from .. import kernels
 from ..errors import TransportUnavailable
 from ..kernels import structs
-from ..validation import Call
-from .base import Context, Transport, register
-from .peer import PeerLayout, PushEngine, agree, guarded, view_bytes
+from .base import Context, register
+from .peer import PeerLayout, PeerPushTransport, PushEngine, agree, guarded, view_bytes
 
 log = logging.getLogger("cpindex")
 
@@ -173,7 +172,7 @@ def _device_identity(ctx: Context) -> tuple[str, int, str]:
 
 
 @register
-class MoriTransport(Transport):
+class MoriTransport(PeerPushTransport):
     name = "mori"
 
     @classmethod
@@ -297,20 +296,6 @@ class MoriTransport(Transport):
         self.engine = guarded(  # type: ignore[assignment]
             ctx, "mori push engine", lambda: PushEngine(ctx, layout, bases, ticks)
         )
-
-    def score_push(self, call: Call) -> torch.Tensor:
-        return self.engine.score_push(call)  # type: ignore[union-attr]
-
-    def self_test(self) -> tuple[bool, str]:
-        if not self.ctx.config.ipc_self_test:
-            return True, "self-test disabled by config"
-        return self.engine.self_test()  # type: ignore[union-attr]
-
-    def check(self) -> None:
-        self.engine.check()  # type: ignore[union-attr]
-
-    def reset(self) -> None:
-        self.engine.reset()  # type: ignore[union-attr]
 
     def close(self) -> None:
         if self._raw == 0 and self._session is None:

@@ -27,7 +27,7 @@ from ..errors import TransportUnavailable
 from ..kernels import structs
 from ..kernels.launcher import ErrorMonitor, KernelScorer
 from ..validation import Call
-from .base import Context
+from .base import Context, Transport
 
 OFF_CALLS, OFF_TICKET, OFF_ERR, OFF_QFLAGS, OFF_SFLAGS = 0, 8, 64, 512, 1024
 FLAG_BYTES = 4096
@@ -207,6 +207,29 @@ class PushEngine:
         torch.cuda.synchronize(dev)
         self.monitor.clear_host()
         self.ctx.comm.barrier()
+
+
+class PeerPushTransport(Transport):
+    """Base of the transports that push through a :class:`PushEngine` (``ipc``, ``mori``):
+    subclasses allocate and map the regions in ``__init__`` and set ``self.ctx`` and
+    ``self.engine``; the calls themselves are the engine's."""
+
+    ctx: Context
+    engine: PushEngine | None = None
+
+    def score_push(self, call: Call) -> torch.Tensor:
+        return self.engine.score_push(call)  # type: ignore[union-attr]
+
+    def self_test(self) -> tuple[bool, str]:
+        if not self.ctx.config.ipc_self_test:
+            return True, "self-test disabled by config"
+        return self.engine.self_test()  # type: ignore[union-attr]
+
+    def check(self) -> None:
+        self.engine.check()  # type: ignore[union-attr]
+
+    def reset(self) -> None:
+        self.engine.reset()  # type: ignore[union-attr]
 
 
 def guarded(ctx: Context, what: str, fn: Callable[[], object]) -> object:
