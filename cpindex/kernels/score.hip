@@ -257,8 +257,18 @@ CP_DEVICE void report(const ScoreParams& p, uint32_t code, uint32_t peer, uint64
   cp_fence_sys();
 }
 
-CP_DEVICE bool failed(const ScoreParams& p) {
-  return *reinterpret_cast<volatile const uint32_t*>(&p.err->code) != 0u;
+CP_DEVICE uint32_t error_code(const ScoreParams& p) {
+  return *reinterpret_cast<volatile const uint32_t*>(&p.err->code);
+}
+
+// Any recorded error: later launches exit at once (the host raises; replays don't stall).
+CP_DEVICE bool failed(const ScoreParams& p) { return error_code(p) != kErrNone; }
+
+// A peer was late: the handshake of this call is broken, so stop waiting and signalling. A data
+// error (bad page, short width) is not one: the call still completes its handshake.
+CP_DEVICE bool handshake_failed(const ScoreParams& p) {
+  const uint32_t code = error_code(p);
+  return code == kErrTimeoutQueries || code == kErrTimeoutScores;
 }
 
 // Spins until *flag >= call. False (after reporting) when the peer is later than the timeout,
@@ -268,7 +278,7 @@ CP_DEVICE bool wait_flag(const ScoreParams& p, const uint64_t* flag, uint64_t ca
   const uint64_t start = cp_clock_ticks();
   for (uint32_t spin = 0; cp_load_acquire_sys(flag) < call; ++spin) {
     if ((spin & 63u) == 63u) {
-      if (failed(p)) return false;
+      if (handshake_failed(p)) return false;
       if (cp_clock_ticks() - start > timeout_ticks) {
         report(p, code, (uint32_t)peer, call, cp_load_acquire_sys(flag));
         return false;
@@ -417,7 +427,7 @@ __global__ void __launch_bounds__(kThreads) score_kernel(const ScoreParams p, co
   __syncthreads();
   if (!is_last) return;
   cp_fence_sys();
-  if (!failed(p)) {
+  if (!handshake_failed(p)) {
     if ((int)threadIdx.x < p.world) cp_store_release_sys(ps.peer_s_flag[threadIdx.x], call);
     if ((int)threadIdx.x < p.world)
       wait_flag(p, ps.s_flags + threadIdx.x, call, ps.timeout_ticks, kErrTimeoutScores,
