@@ -139,7 +139,8 @@ def _score_push(
 
 @_score_push.register_fake
 def _(handle, iq, cache, scales, block_table, seq_lens, init_blocks, local_blocks, width):
-    hpr = _instances[handle].heads_per_rank
+    # heads_per_rank from iq's shape, not the handle: dynamo may turn the handle into a SymInt
+    hpr = iq.shape[1] if iq.dim() == 3 else 1
     return iq.new_empty((hpr, iq.shape[0], width), dtype=torch.float32)
 
 
