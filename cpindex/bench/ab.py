@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .. import formats, partition, reference, testing
+from .. import formats, ops, partition, reference, testing  # noqa: F401  (ops: registers the op)
 from ..api import IndexCP
 from ..config import CPIndexConfig
 from ..world import Comm, TorchComm, run_threads, spawn_processes
@@ -107,10 +107,12 @@ def _rank_job(comm: Comm, spec: Spec, device: torch.device) -> list[dict]:
                 comm.barrier()  # all prep done before anyone launches push kernels
                 agree = {}
                 for t, cp in cps.items():
-                    got = cp.score_push(iq, *args).clone()
+                    got = cp.score_push(iq, *args)
                     if device.type == "cuda":
                         torch.cuda.current_stream().synchronize()
+                    comm.barrier()  # nobody launches the next push while equal() allocates
                     agree[t] = bool(torch.equal(got, mine))
+                    comm.barrier()
                 rec["agree"] = agree
                 for t, cp in cps.items():
                     fn = lambda i, cp=cp, iq=iq, args=args: cp.score_push(iq, *args)  # noqa: E731

@@ -13,7 +13,7 @@ import statistics
 
 import torch
 
-from .. import formats
+from .. import formats, ops  # noqa: F401  (registers torch.ops.cpindex.*)
 from .timing import copy_bandwidth_gbs, synthetic_cache, synthetic_queries, time_graph
 
 ROTATE_BYTES = 512 << 20  # pages touched by consecutive calls, >> the H200's 60 MB L2
