@@ -295,6 +295,19 @@ def run_threads(
     return results
 
 
+def in_turn(comm: Comm, fn: Callable[[], T]) -> T:
+    """Run ``fn`` on one rank at a time, in rank order, with every rank waiting at a barrier
+    meanwhile (collective). In the one-process world CUDA graph capture must go this way:
+    captures from several threads at once fail, and entering capture synchronizes the device."""
+    result: Any = None
+    for turn in range(comm.world_size):
+        comm.barrier()
+        if turn == comm.rank:
+            result = fn()
+    comm.barrier()
+    return result
+
+
 def free_port() -> int:
     """An unused TCP port on the loopback interface, for a local rendezvous."""
     with socket.socket() as s:

@@ -19,7 +19,7 @@ import torch
 from _gpu import FORMATS, assert_scores, expected, for_rank, needs_gpu
 
 from cpindex import CPIndexConfig, IndexCP, PeerTimeoutError, testing
-from cpindex.world import Comm, run_threads, spawn_processes
+from cpindex.world import Comm, in_turn, run_threads, spawn_processes
 
 pytestmark = [needs_gpu, pytest.mark.gpu]
 DEV = "cuda:0"
@@ -91,7 +91,7 @@ def test_replicated_heads_and_pair_layout():
         outs = [torch.empty(1, p.rows, p.width, device=DEV) for p in probs]
         comm.barrier()
         for p, q, keep in zip(probs, qs, outs, strict=True):
-            keep.copy_(cp.score_push(q, p.index_cache, p.block_table, p.seq_lens))
+            keep.copy_(cp.score_push(q, p.index_cache, p.block_table, p.seq_lens, 0, 1, p.width))
         return outs
 
     res = _world(4, job, transport="ipc", num_heads=2)
@@ -132,7 +132,7 @@ def test_many_consecutive_calls_stay_correct():
         torch.cuda.current_stream().synchronize()  # releases the GIL; int() would hold it
         return first, int(bad)
 
-    res = _world(4, job, transport="ipc")
+    res = _world(4, job, transport="ipc", cache_format="fp8")
     for rank, (first, bad) in enumerate(res):
         assert bad == 0, f"rank {rank}: {bad} elements changed across {calls} calls"
         for p, got in zip(probs, first, strict=True):
@@ -179,12 +179,14 @@ def test_graph_capture_replays_handshake():
         torch.cuda.current_stream().synchronize()
         comm.barrier()
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, capture_error_mode="thread_local"):
-            outs = [
-                cp.score_push(q, p.index_cache, bt, sl, 0, 1, p.width).clone()
-                for (q, bt, sl), p in zip(st, base, strict=True)
-            ]
-        comm.barrier()
+        outs: list[torch.Tensor] = []
+
+        def capture():  # one rank at a time: concurrent captures from threads fail
+            with torch.cuda.graph(g, capture_error_mode="thread_local"):
+                for (q, bt, sl), p in zip(st, base, strict=True):
+                    outs.append(cp.score_push(q, p.index_cache, bt, sl, 0, 1, p.width).clone())
+
+        in_turn(comm, capture)
         for i in range(replays):
             v = i % n_var
             for (q, bt, sl), (vq, vsl, vbt) in zip(st, var[v], strict=True):
@@ -230,7 +232,7 @@ def test_late_peer_times_out_names_it_and_recovers():
         torch.cuda.current_stream().synchronize()
         return err, out
 
-    res = _world(4, job, transport="ipc", timeout_s=0.5)
+    res = _world(4, job, transport="ipc", cache_format="fp8", timeout_s=0.5)
     ref = expected(probs[0], 0, 1)
     for rank, (err, out) in enumerate(res):
         if rank == 3:

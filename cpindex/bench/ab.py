@@ -52,9 +52,9 @@ def _problem(fmt: str, rows: int, ctx: int, device: torch.device) -> testing.Pro
     )
 
 
-def _time(fn, spec: Spec, device: torch.device, capturable: bool = True, barrier=None):
+def _time(fn, spec: Spec, device: torch.device, capturable: bool = True, comm=None):
     if device.type == "cuda" and spec.graphs and capturable:
-        return time_graph(fn, per_graph=8, replays=spec.iters, warmup=3, barrier=barrier)
+        return time_graph(fn, per_graph=8, replays=spec.iters, warmup=3, comm=comm)
     return time_calls(fn, spec.iters, 3, device)
 
 
@@ -116,7 +116,7 @@ def _rank_job(comm: Comm, spec: Spec, device: torch.device) -> list[dict]:
                 rec["agree"] = agree
                 for t, cp in cps.items():
                     fn = lambda i, cp=cp, iq=iq, args=args: cp.score_push(iq, *args)  # noqa: E731
-                    rec[t] = _stats(_time(fn, spec, device, cp.capturable, comm.barrier))
+                    rec[t] = _stats(_time(fn, spec, device, cp.capturable, comm))
                     rec[t]["graph"] = bool(spec.graphs and cp.capturable)
                     rec["transport_" + t] = cp.transport_name
                 comm.barrier()

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 
 from .. import formats
+from ..world import Comm, in_turn
 
 
 def summarize(ms: list[float]) -> dict[str, float]:
@@ -45,24 +46,24 @@ def time_graph(
     per_graph: int,
     replays: int,
     warmup: int,
-    barrier: Callable[[], None] | None = None,
+    comm: Comm | None = None,
 ) -> list[float]:
-    """Per-call ms from replays of a CUDA graph holding ``per_graph`` calls.
-
-    ``barrier`` (every rank's) brackets the capture: entering capture frees cached memory,
-    a device-wide wait that must not overlap peers' pending push kernels.
-    """
+    """Per-call ms from replays of a CUDA graph holding ``per_graph`` calls. With ``comm``
+    (every rank calls this), ranks capture one at a time (see :func:`cpindex.world.in_turn`)."""
     for i in range(warmup):
         fn(i)
     torch.cuda.current_stream().synchronize()
-    if barrier:
-        barrier()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, capture_error_mode="thread_local"):
-        for i in range(per_graph):
-            fn(i)
-    if barrier:
-        barrier()
+
+    def capture() -> None:
+        with torch.cuda.graph(g, capture_error_mode="thread_local"):
+            for i in range(per_graph):
+                fn(i)
+
+    if comm is None:
+        capture()
+    else:
+        in_turn(comm, capture)
     times = time_calls(lambda i: g.replay(), replays, 2, torch.device("cuda"))
     return [t / per_graph for t in times]
 

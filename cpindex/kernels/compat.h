@@ -198,11 +198,16 @@ CP_DEVICE uint32_t cp_e4m3x2_to_f16x2(uint32_t two_bytes) {
 }
 #endif
 
-// One byte of two e2m1 nibbles (low nibble = even element) -> f16x2 scaled by 2^-14: the 3
-// magnitude bits land in f16's exponent/mantissa at bits 9..11, which maps every e2m1 value,
-// the subnormal 0.5 included, to value * 2^-14 exactly.
+// Eight e2m1 nibbles (one word, element 0 in the low nibble) -> four f16x2 words holding
+// elements (0,1), (2,3), (4,5), (6,7), each value * 2^-14. Every nibble's f16 high byte (sign at
+// bit 7, the 3 magnitude bits at bits 1..3) is built in place for four nibbles at once; one byte
+// permute and one mask then place a pair. That maps every e2m1 value, the subnormal 0.5
+// included, to value * 2^-14 exactly, in about 16 integer ops per 8 values.
 #define CP_FP4_UNIT (1.0f / 16384.0f)
-CP_DEVICE uint32_t cp_e2m1x2_to_f16x2(uint32_t byte) {
-  uint32_t y = (byte & 0xfu) | ((byte & 0xf0u) << 12);
-  return ((y & 0x00070007u) << 9) | ((y & 0x00080008u) << 12);
+CP_DEVICE void cp_e2m1x8_to_f16x2x4(uint32_t w, uint32_t (&out)[4]) {
+  const uint32_t even = ((w << 1) & 0x0e0e0e0eu) | ((w << 4) & 0x80808080u);  // elements 0,2,4,6
+  const uint32_t odd = ((w >> 3) & 0x0e0e0e0eu) | (w & 0x80808080u);          // elements 1,3,5,7
+#pragma unroll
+  for (int b = 0; b < 4; ++b)
+    out[b] = __byte_perm(even, odd, ((4u + b) << 12) | ((uint32_t)b << 4)) & 0xff00ff00u;
 }

@@ -108,12 +108,12 @@ CP_DEVICE void unpack(const TileRegs<F>& t, int s, uint32_t (&k)[16]) {
     const uint32_t sc = cp_e4m3x2_to_f16x2(t.scales[s]);
     const uint32_t s0 = (sc & 0xffffu) * 0x10001u, s1 = (sc >> 16) * 0x10001u;
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
+    for (int i = 0; i < 4; ++i) {
+      uint32_t pairs[4];
+      cp_e2m1x8_to_f16x2x4(word(t.raw[s][0], i), pairs);
 #pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        const uint32_t pair = cp_e2m1x2_to_f16x2((word(t.raw[s][0], i) >> (8 * b)) & 0xffu);
-        k[4 * i + b] = cp_hmul2(pair, i < 2 ? s0 : s1);  // values 0..15 use scale 0
-      }
+      for (int b = 0; b < 4; ++b) k[4 * i + b] = cp_hmul2(pairs[b], i < 2 ? s0 : s1);  // 0..15: scale 0
+    }
   }
 }
 
