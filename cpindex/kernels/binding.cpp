@@ -54,6 +54,9 @@ void score(const torch::Tensor& q, const torch::Tensor& kv, const c10::optional<
 
   const c10::cuda::CUDAGuard guard(q.device());
   void* stream = at::cuda::getCurrentCUDAStream().stream();
+  // A launch can block (full launch queue). Holding the GIL then would stall the other ranks'
+  // threads of a one-process world, whose launches this rank's kernel may be waiting for.
+  py::gil_scoped_release no_gil;
   int rc;
   if (push_image.has_value()) {
     TORCH_CHECK(push_image->numel() == (int64_t)sizeof(PushState), "PushState image size");
