@@ -90,6 +90,8 @@ def _nccl_tests(args: argparse.Namespace, rows: list[dict], spec: ab.Spec) -> di
 
 
 def _plot(out: dict, path: str) -> None:
+    """Time vs context, log-log: one panel per format, a colour per series, a line style per
+    row count."""
     try:
         import matplotlib
 
@@ -98,37 +100,35 @@ def _plot(out: dict, path: str) -> None:
     except ImportError:
         print("--plot needs matplotlib (pip install cpindex[bench]); skipped")
         return
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    if "kernel" in out:
-        for fmt in sorted({r["format"] for r in out["kernel"]}):
-            for rows in sorted({r["rows"] for r in out["kernel"]}):
-                pts = [r for r in out["kernel"] if r["format"] == fmt and r["rows"] == rows]
-                ax.plot(
-                    [r["context"] for r in pts],
-                    [r["kernel_ms"] * 1e3 for r in pts],
-                    marker="o",
-                    label=f"{fmt} rows={rows}",
-                )
-        ax.set_title(f"cpindex kernel alone ({out['meta']['device']})")
+    rows_key = "kernel" if "kernel" in out else "results"
+    recs = out[rows_key]
+    fmts = sorted({r["format"] for r in recs})
+    fig, axes = plt.subplots(1, len(fmts), figsize=(5.5 * len(fmts), 4.5), squeeze=False)
+    if rows_key == "kernel":
+        series = ["kernel_ms", "triton_ms"]
+        title = f"cpindex kernel alone ({out['meta']['device']})"
     else:
         series = [*out["spec"]["transports"], "score", "nocp"]
-        for fmt in out["spec"]["formats"]:
-            for rows in out["spec"]["rows"]:
-                pts = [r for r in out["results"] if r["format"] == fmt and r["rows"] == rows]
-                for s in series:
-                    if all(s in r for r in pts):
-                        ax.plot(
-                            [r["context"] for r in pts],
-                            [r[s]["median_ms"] * 1e3 for r in pts],
-                            marker="o",
-                            label=f"{s} {fmt} rows={rows}",
-                        )
-        ax.set_title(f"cpindex transports, world {out['spec']['world']} ({out['meta']['device']})")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("context (tokens)")
-    ax.set_ylabel("time per call (us)")
-    ax.legend(fontsize=6, ncol=2)
+        title = f"cpindex, world {out['spec']['world']} ({out['meta']['device']})"
+    styles = ["-", "--", ":", "-."]
+    for ax, fmt in zip(axes[0], fmts, strict=True):
+        all_rows = sorted({r["rows"] for r in recs if r["format"] == fmt})
+        for si, name in enumerate(series):
+            for ri, rows in enumerate(all_rows):
+                pts = [r for r in recs if r["format"] == fmt and r["rows"] == rows and name in r]
+                if not pts:
+                    continue
+                ys = [r[name] if rows_key == "kernel" else r[name]["median_ms"] for r in pts]
+                ax.plot([r["context"] for r in pts], [y * 1e3 for y in ys], marker="o",
+                        color=f"C{si}", linestyle=styles[ri % len(styles)],
+                        label=f"{name.removesuffix('_ms')} rows={rows}")  # fmt: skip
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("time per call (us)")
+        ax.set_title(fmt)
+        ax.legend(fontsize=6, ncol=2)
+    fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     print(f"wrote {path}")
