@@ -15,7 +15,7 @@ from .validation import check_call
 from .world import Comm, TorchComm
 
 
-def _default_device(comm: Comm) -> torch.device:
+def _default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -46,7 +46,6 @@ class IndexCP:
         device: torch.device | str | None = None,
         *,
         comm: Comm | None = None,
-        _portable_kernel: bool = False,
     ) -> None:
         if config is not None and not isinstance(config, CPIndexConfig):
             raise TypeError(f"config: expected CPIndexConfig, got {type(config).__name__}")
@@ -55,7 +54,7 @@ class IndexCP:
         elif group is not None:
             raise ValueError("group: pass either group or comm, not both")
         self.config = (config or CPIndexConfig()).with_world_size(comm.world_size)
-        self.device = torch.device(device) if device is not None else _default_device(comm)
+        self.device = torch.device(device) if device is not None else _default_device()
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.comm = comm
@@ -63,7 +62,7 @@ class IndexCP:
         placements = comm.all_gather_object((key, comm.same_process))
         sharing = sum(1 for k, same in placements if k == key and same) if key[0] == "cuda" else 1
         self.heads_per_rank = self.config.heads_per_rank(comm.world_size)
-        ctx = Context(self.config, comm, self.device, max(1, sharing), _portable_kernel)
+        ctx = Context(self.config, comm, self.device, max(1, sharing))
         self._transport = select(ctx)
         self._busy = threading.Lock()
         self._closed = False

@@ -31,7 +31,6 @@ class Context:
     comm: Comm
     device: torch.device
     ranks_per_device: int  # ranks of this group sharing this rank's GPU (one-process world)
-    portable_kernel: bool = False  # use the scalar kernel path AMD runs (testing on CUDA)
 
     @property
     def rank(self) -> int:

@@ -59,7 +59,6 @@ class CollectiveTransport(Transport):
                 sm_scale=cfg.sm_scale,
                 monitor=self.monitor,
                 ranks_per_device=ctx.ranks_per_device,
-                portable=ctx.portable_kernel,
             )
 
     @property

@@ -96,7 +96,6 @@ class PushEngine:
             sm_scale=cfg.sm_scale,
             monitor=self.monitor,
             ranks_per_device=ctx.ranks_per_device,
-            portable=ctx.portable_kernel,
         )
         ps = structs.PushState()
         base = bases[rank]
