@@ -1,0 +1,48 @@
+"""The in-process world's helpers: ordering of in_turn, and timeouts that name late ranks."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from cpindex.world import CollectiveTimeout, in_turn, run_threads
+
+
+def test_in_turn_runs_one_rank_at_a_time_in_rank_order():
+    order: list[int] = []
+    active = []
+    lock = threading.Lock()
+
+    def rank_fn(comm):
+        def body():
+            with lock:
+                active.append(comm.rank)
+                assert len(active) == 1, f"ranks {active} inside at once"
+            time.sleep(0.01)
+            order.append(comm.rank)
+            with lock:
+                active.remove(comm.rank)
+            return comm.rank * 10
+
+        return in_turn(comm, body)
+
+    assert run_threads(4, rank_fn) == [0, 10, 20, 30]
+    assert order == [0, 1, 2, 3]
+
+
+def test_exchange_timeout_names_the_ranks_that_never_came():
+    def rank_fn_timed(comm):
+        comm.all_gather_object("hello")
+        if comm.rank == 2:
+            return None  # skips the tensor collective below
+        import torch
+
+        out = torch.empty(3 * 4)
+        comm.all_gather_into(out, torch.ones(4), timeout_s=0.3)
+        return None
+
+    with pytest.raises(CollectiveTimeout) as ei:
+        run_threads(3, rank_fn_timed)
+    assert ei.value.late == [2]
