@@ -11,6 +11,7 @@ Both have fake (meta) implementations that only compute output shapes.
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -44,6 +45,14 @@ def _kernel_scorer(device: torch.device, fmt: str, heads: int, sm_scale: float):
     return _scorers[key]
 
 
+@functools.lru_cache(maxsize=64)
+def _op_config(heads: int, fmt: str, rows: int, width: int) -> CPIndexConfig:
+    """The bounds one ``block_scores`` call is validated against (cached, not built per call)."""
+    return CPIndexConfig(
+        num_heads=heads, world_size=1, cache_format=fmt, max_rows=rows, max_width=width
+    )
+
+
 @torch.library.custom_op("cpindex::block_scores", mutates_args=())
 def _block_scores(
     q: torch.Tensor,
@@ -60,10 +69,7 @@ def _block_scores(
     if q.dim() != 3:
         raise ValueError(f"q: expected [rows, heads, 128], got {list(q.shape)}")
     rows, heads = q.shape[0], q.shape[1]
-    cfg = CPIndexConfig(
-        num_heads=heads, world_size=1, cache_format=formats.detect_format(index_cache),
-        max_rows=max(1, rows), max_width=max(1, width),
-    )  # fmt: skip
+    cfg = _op_config(heads, formats.detect_format(index_cache), max(1, rows), max(1, width))
     check_call(
         cfg,
         heads,
