@@ -216,7 +216,7 @@ def _full_fn(prob: testing.Problem, q_own: torch.Tensor, device: torch.device):
 def header(transports: list[str]) -> str:
     cols = "".join(f" {t + ' us':>13} {'x':>5}" for t in transports)
     return (
-        f"{'fmt':>5} {'rows':>4} {'ctx':>5} {'MiB/rank':>8} {'GB/s':>6}{cols} {'score us':>9} "
+        f"{'fmt':>5} {'rows':>4} {'ctx':>5} {'MiB/rank':>8} {'GB/s':>7}{cols} {'score us':>9} "
         f"{'no-CP us':>9} {'CP gain':>7} {'agree':>5}"
     )
 
@@ -230,7 +230,7 @@ def line(r: dict, transports: list[str]) -> str:
     gain = f"{nocp / best:>6.2f}x" if nocp else ""  # no-CP time over the fastest CP transport
     return (
         f"{r['format']:>5} {r['rows']:>4} {r['context'] // 1024:>4}K "
-        f"{r['scan_bytes_rank'] / 2**20:>8.2f} {r['scan_bytes_rank'] / best / 1e6:>6.0f}{cols} "
+        f"{r['scan_bytes_rank'] / 2**20:>8.2f} {r['scan_bytes_rank'] / best / 1e6:>7.2f}{cols} "
         f"{(score or 0) * 1e3:>9.1f} {(nocp or 0) * 1e3:>9.1f} {gain:>7} "
         f"{'yes' if all(r['agree'].values()) else 'NO':>5}"
     )
