@@ -45,11 +45,6 @@ def heads_of_rank(rank: int, num_heads: int, world: int) -> list[int]:
     return [rank % num_heads]
 
 
-def query_sources(num_heads: int, world: int) -> int:
-    """Ranks whose query rows cover all heads: every rank, or the first H when replicated."""
-    return min(num_heads, world)
-
-
 def scanned_blocks(
     seq_lens: torch.Tensor, rank: int, world: int, init_blocks: int, local_blocks: int
 ) -> int:

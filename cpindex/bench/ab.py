@@ -13,8 +13,7 @@ scanning every block for its own head (what TP does without CP); and the scan by
 
 from __future__ import annotations
 
-import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -22,7 +21,7 @@ from .. import formats, ops, partition, reference, testing  # noqa: F401  (ops: 
 from ..api import IndexCP
 from ..config import CPIndexConfig
 from ..world import Comm, TorchComm, run_threads, spawn_processes
-from .timing import synthetic_cache, synthetic_queries, time_calls, time_graph
+from .timing import summarize, synthetic_cache, synthetic_queries, time_calls, time_graph
 
 
 @dataclass
@@ -35,7 +34,6 @@ class Spec:
     graphs: bool
     iters: int
     results_path: str = ""
-    extra: dict = field(default_factory=dict)
 
 
 def _problem(fmt: str, rows: int, ctx: int, device: torch.device) -> testing.Problem:
@@ -116,14 +114,14 @@ def _rank_job(comm: Comm, spec: Spec, device: torch.device) -> list[dict]:
                 rec["agree"] = agree
                 for t, cp in cps.items():
                     fn = lambda i, cp=cp, iq=iq, args=args: cp.score_push(iq, *args)  # noqa: E731
-                    rec[t] = _stats(_time(fn, spec, device, cp.capturable, comm))
+                    rec[t] = summarize(_time(fn, spec, device, cp.capturable, comm))
                     rec[t]["graph"] = bool(spec.graphs and cp.capturable)
                     rec["transport_" + t] = cp.transport_name
                 comm.barrier()
                 if comm.rank == 0:  # alone on the device: share scoring and no-CP baseline
-                    rec["score"] = _stats(_time(_share_fn(prob, comm, device), spec, device))
+                    rec["score"] = summarize(_time(_share_fn(prob, comm, device), spec, device))
                     own = prob.q[:, partition.heads_of_rank(0, 4, comm.world_size)].contiguous()
-                    rec["nocp"] = _stats(_time(_full_fn(prob, own, device), spec, device))
+                    rec["nocp"] = summarize(_time(_full_fn(prob, own, device), spec, device))
                 comm.barrier()
                 page = 128 * formats.BYTES_PER_TOKEN[fmt]
                 rec["scan_bytes_rank"] = (
@@ -143,11 +141,6 @@ def _rank_job(comm: Comm, spec: Spec, device: torch.device) -> list[dict]:
     if bar is not None:
         bar.close()
     return out
-
-
-def _stats(ms: list[float]) -> dict:
-    s = sorted(ms)
-    return {"median_ms": statistics.median(s), "p90_ms": s[min(len(s) - 1, int(0.9 * len(s)))]}
 
 
 def _share_fn(prob: testing.Problem, comm: Comm, device: torch.device):

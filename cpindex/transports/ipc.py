@@ -9,45 +9,33 @@ allocations of the shared GPU and their addresses are exchanged as they are.
 
 from __future__ import annotations
 
-import os
-import socket
-
 import torch
 
 from .. import kernels
-from ..kernels import structs
 from .base import Context, register
-from .peer import PeerLayout, PeerPushTransport, PushEngine, agree, guarded
-
-
-def _identity(ctx: Context) -> dict:
-    dev = ctx.device
-    uuids = [
-        str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())
-    ]
-    return {
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "uuid": uuids[dev.index],
-        "visible": uuids,
-        "index": dev.index,
-    }
+from .peer import (
+    PeerLayout,
+    PeerPushTransport,
+    PushEngine,
+    agree,
+    guarded,
+    identity,
+    push_probe,
+    shared_gpu_reason,
+)
 
 
 def peer_access_verdict(ctx: Context, ids: list[dict]) -> tuple[bool, str]:
     """Can this rank write into every peer's memory? Decided from the gathered identities."""
     me = ids[ctx.rank]
+    shared = shared_gpu_reason(ctx, ids)
+    if shared:
+        return False, shared
     for p, other in enumerate(ids):
         if other["host"] != me["host"]:
             return False, f"rank {p} is on another host ({other['host']}); ipc is intra-node"
         if p == ctx.rank:
             continue
-        if other["pid"] != me["pid"] and other["uuid"] == me["uuid"]:
-            return False, (
-                f"rank {p} shares this GPU from another process: kernels of two processes do "
-                "not run concurrently on one GPU, so a spin handshake would deadlock "
-                "(use the one-process world, cpindex.world.run_threads)"
-            )
         if other["uuid"] in me["visible"] and other["uuid"] != me["uuid"]:
             peer_index = me["visible"].index(other["uuid"])
             if not kernels.load(ctx.device).can_access_peer(me["index"], peer_index):
@@ -64,11 +52,7 @@ class IpcTransport(PeerPushTransport):
 
     @classmethod
     def probe(cls, ctx: Context) -> tuple[bool, str]:
-        if ctx.device.type != "cuda":
-            return False, f"needs a GPU (this rank runs on {ctx.device.type})"
-        if ctx.world > structs.MAX_WORLD:
-            return False, f"world size {ctx.world} > {structs.MAX_WORLD} peers per push kernel"
-        ok, why = kernels.available(ctx.device)
+        ok, why = push_probe(ctx)
         if not ok:
             return False, why
         return True, "fused kernel writes scores straight into peers' buffers"
@@ -79,7 +63,7 @@ class IpcTransport(PeerPushTransport):
         self._opened: list[int] = []
         self.engine: PushEngine | None = None
         mod = kernels.load(ctx.device)
-        ids = ctx.comm.all_gather_object(_identity(ctx))
+        ids = ctx.comm.all_gather_object(identity(ctx))
         ok, why = peer_access_verdict(ctx, ids)
         agree(ctx, ok, why, "ipc peer-access check")
         self.peer_access = why

@@ -20,7 +20,6 @@ import functools
 import itertools
 import logging
 import os
-import socket
 import sys
 import threading
 from dataclasses import dataclass
@@ -31,9 +30,18 @@ import torch.distributed as dist
 
 from .. import kernels
 from ..errors import TransportUnavailable
-from ..kernels import structs
 from .base import Context, register
-from .peer import PeerLayout, PeerPushTransport, PushEngine, agree, guarded, view_bytes
+from .peer import (
+    PeerLayout,
+    PeerPushTransport,
+    PushEngine,
+    agree,
+    guarded,
+    identity,
+    push_probe,
+    shared_gpu_reason,
+    view_bytes,
+)
 
 log = logging.getLogger("cpindex")
 
@@ -166,11 +174,6 @@ def _release(session: _Session) -> None:
         _forget(session)
 
 
-def _device_identity(ctx: Context) -> tuple[str, int, str]:
-    uuid = str(torch.cuda.get_device_properties(ctx.device.index).uuid)
-    return socket.gethostname(), os.getpid(), uuid
-
-
 @register
 class MoriTransport(PeerPushTransport):
     name = "mori"
@@ -187,8 +190,6 @@ class MoriTransport(PeerPushTransport):
             return False, (
                 "the one-process world has no MORI (MORI runs one PE per process); use ipc there"
             )
-        if ctx.world > structs.MAX_WORLD:
-            return False, f"world size {ctx.world} > {structs.MAX_WORLD} peers per push kernel"
         ok, why = mori_status()
         if not ok:
             return False, why
@@ -197,7 +198,7 @@ class MoriTransport(PeerPushTransport):
                 "MORI_SHMEM_HEAP_TYPE=normal makes the symmetric heap cached; the push handshake "
                 "needs MORI's default uncached heap (unset MORI_SHMEM_HEAP_TYPE)"
             )
-        ok, kwhy = kernels.available(ctx.device)
+        ok, kwhy = push_probe(ctx)
         if not ok:
             return False, kwhy
         return True, f"{why}: fused kernel writes scores into peers' symmetric-heap regions"
@@ -217,17 +218,11 @@ class MoriTransport(PeerPushTransport):
     def _setup(self, ctx: Context) -> None:
         mod = kernels.load(ctx.device)
         dev = ctx.device.index
-        ids = guarded(ctx, "mori device identity", lambda: _device_identity(ctx))
-        ids = ctx.comm.all_gather_object(ids)
-        me = ids[ctx.rank]
-        clash = [p for p, i in enumerate(ids) if i[0] == me[0] and i[2] == me[2] and i[1] != me[1]]
-        agree(
-            ctx,
-            not clash,
-            f"ranks {clash} share this GPU from other processes: kernels of two processes do not "
-            "run concurrently on one GPU, so the spin handshake would deadlock",
-            "mori placement check",
+        ids = ctx.comm.all_gather_object(
+            guarded(ctx, "mori device identity", lambda: identity(ctx))
         )
+        shared = shared_gpu_reason(ctx, ids)
+        agree(ctx, shared is None, shared or "", "mori placement check")
 
         def group_ranks() -> tuple[int, ...]:
             group = getattr(ctx.comm, "group", None)

@@ -17,11 +17,13 @@ Region of rank r (offsets in bytes)::
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Callable, Sequence
 
 import torch
 
-from .. import formats, partition
+from .. import formats, kernels, partition
 from ..config import CPIndexConfig
 from ..errors import TransportUnavailable
 from ..kernels import structs
@@ -229,6 +231,47 @@ class PeerPushTransport(Transport):
 
     def reset(self) -> None:
         self.engine.reset()  # type: ignore[union-attr]
+
+
+def push_probe(ctx: Context) -> tuple[bool, str]:
+    """What every peer-push transport needs on this rank: a GPU, a world the push kernel can
+    address, and the fused kernel."""
+    if ctx.device.type != "cuda":
+        return False, f"needs a GPU (this rank runs on {ctx.device.type})"
+    if ctx.world > structs.MAX_WORLD:
+        return False, f"world size {ctx.world} > {structs.MAX_WORLD} peers per push kernel"
+    return kernels.available(ctx.device)
+
+
+def identity(ctx: Context) -> dict:
+    """This rank's placement (host, process, GPU UUID, the GPUs it can see), to all-gather."""
+    uuids = [
+        str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())
+    ]
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "uuid": uuids[ctx.device.index],
+        "visible": uuids,
+        "index": ctx.device.index,
+    }
+
+
+def shared_gpu_reason(ctx: Context, ids: list[dict]) -> str | None:
+    """Why the push cannot run if another process's rank sits on this rank's GPU: kernels of
+    two processes never run concurrently on one GPU, so the spin handshake would deadlock."""
+    me = ids[ctx.rank]
+    clash = [
+        p for p, o in enumerate(ids)
+        if o["host"] == me["host"] and o["uuid"] == me["uuid"] and o["pid"] != me["pid"]
+    ]  # fmt: skip
+    if not clash:
+        return None
+    return (
+        f"ranks {clash} share this GPU from other processes: kernels of two processes do not "
+        "run concurrently on one GPU, so the spin handshake would deadlock (use the "
+        "one-process world, cpindex.world.run_threads)"
+    )
 
 
 def guarded(ctx: Context, what: str, fn: Callable[[], object]) -> object:
