@@ -60,6 +60,8 @@ def load(device: torch.device | None = None, *, portable: bool = False) -> Modul
         from torch.utils import cpp_extension
 
         flags = ["-O3", "-std=c++17"] + (["-DCP_PORTABLE=1"] if portable else [])
+        # Measurement builds only (benchmarks/kernel_variants.py): e.g. "CP_META_PREFETCH=0".
+        flags += [f"-D{d}" for d in os.environ.get("CPINDEX_KERNEL_DEFINES", "").split()]
         name = f"cpindex_{arch}_{'portable_' if portable else ''}{_source_hash(flags)}"
         cache = Path(os.environ.get("CPINDEX_CACHE_DIR", Path.home() / ".cache" / "cpindex"))
         build_dir = cache / name

@@ -16,6 +16,18 @@
 #include "compat.h"
 #include "launch.h"
 
+// Measurement switches: `python benchmarks/kernel_variants.py` builds variants through
+// CPINDEX_KERNEL_DEFINES and times them side by side. The defaults are what ships.
+#ifndef CP_META_PREFETCH  // 1: read the next item's length and page while scoring this one
+#define CP_META_PREFETCH 1
+#endif
+#ifndef CP_BF16_BATCH  // bf16 tiles loaded before their math
+#define CP_BF16_BATCH 2
+#endif
+#ifndef CP_MEASURE_LOADS_ONLY  // 1: read pages but skip the math (wrong scores; a ceiling)
+#define CP_MEASURE_LOADS_ONLY 0
+#endif
+
 namespace cpindex {
 namespace {
 
@@ -28,7 +40,8 @@ constexpr float kForcedInit = 1e30f;
 
 // ---- formats -----------------------------------------------------------------------------------
 // Each lane c (= lane % 4) of a group owns 32 of a token's 128 dims, as 16 packed 16-bit pairs
-// k[m] = (v[2m], v[2m+1]), v[8q + e] = dim (dim_base(c, q) + e). Loads are 16 bytes wide and the
+// k[m] = (v[8q + elem(b, 0)], v[8q + elem(b, 1)]) with q = m / 4, b = m % 4, and
+// v[8q + e] = dim (dim_base(c, q) + e). The query is paired the same way, so any pairing works. Loads are 16 bytes wide and the
 // four lanes of a group read 64 contiguous bytes per instruction.
 template <int F>
 struct Fmt;
@@ -36,12 +49,13 @@ struct Fmt;
 template <>
 struct Fmt<kBF16> {
   static constexpr int kLoads = 4;  // 16-byte loads per token per lane
-  static constexpr int kBatch = 2;  // tiles loaded before their math (register budget)
+  static constexpr int kBatch = CP_BF16_BATCH;  // tiles loaded before their math (registers)
   static constexpr int kTokenBytes = 256;
   static constexpr bool kBf16 = true;
   static constexpr float kUnit = 1.0f;
   CP_DEVICE static int load_offset(int c, int l) { return 16 * (c + 4 * l); }
   CP_DEVICE static int dim_base(int c, int q) { return 8 * (c + 4 * q); }
+  CP_DEVICE static int elem(int b, int half) { return 2 * b + half; }
 };
 
 template <>
@@ -53,6 +67,7 @@ struct Fmt<kFP8> {
   static constexpr float kUnit = 1.0f;
   CP_DEVICE static int load_offset(int c, int l) { return 16 * (c + 4 * l); }
   CP_DEVICE static int dim_base(int c, int q) { return 16 * (c + 4 * (q >> 1)) + 8 * (q & 1); }
+  CP_DEVICE static int elem(int b, int half) { return 2 * b + half; }
 };
 
 template <>
@@ -64,6 +79,8 @@ struct Fmt<kNVFP4> {
   static constexpr float kUnit = CP_FP4_UNIT;  // e2m1 values arrive scaled by 2^-14
   CP_DEVICE static int load_offset(int c, int) { return 16 * c; }
   CP_DEVICE static int dim_base(int c, int q) { return 32 * c + 8 * q; }
+  // cp_e2m1x8_to_f16x2x4's pairs: (0,4), (2,6), (1,5), (3,7)
+  CP_DEVICE static int elem(int b, int half) { return 2 * (b & 1) + (b >> 1) + 4 * half; }
 };
 
 template <int F>
@@ -136,10 +153,10 @@ CP_DEVICE void load_query_pairs(const ScoreParams& p, int row, int h, int c, uin
       qf[4 * q] = v.x, qf[4 * q + 1] = v.y, qf[4 * q + 2] = v.z, qf[4 * q + 3] = v.w;
     } else {
       const uint2 v = *reinterpret_cast<const uint2*>(src);
-      qf[4 * q] = cp_e4m3x2_to_f16x2(v.x & 0xffffu);
-      qf[4 * q + 1] = cp_e4m3x2_to_f16x2(v.x >> 16);
-      qf[4 * q + 2] = cp_e4m3x2_to_f16x2(v.y & 0xffffu);
-      qf[4 * q + 3] = cp_e4m3x2_to_f16x2(v.y >> 16);
+#pragma unroll
+      for (int b = 0; b < 4; ++b)  // the keys' pairing (once per row: cost is immaterial)
+        qf[4 * q + b] = cp_e4m3x2_to_f16x2(
+            __byte_perm(v.x, v.y, Fmt<F>::elem(b, 0) | (Fmt<F>::elem(b, 1) << 4)) & 0xffffu);
     }
   }
 }
@@ -204,9 +221,9 @@ CP_DEVICE void prepare_query(const ScoreParams& p, int row, int g, int c, QueryF
     load_query_pairs<F>(p, row, g, c, pairs);
 #pragma unroll
     for (int m = 0; m < 16; ++m) {
-      const int d = Fmt<F>::dim_base(c, m >> 2) + 2 * (m & 3);
-      q_smem[g * kHeadDim + d] = lo<Fmt<F>::kBf16>(pairs[m]);
-      q_smem[g * kHeadDim + d + 1] = hi<Fmt<F>::kBf16>(pairs[m]);
+      const int d = Fmt<F>::dim_base(c, m >> 2);
+      q_smem[g * kHeadDim + d + Fmt<F>::elem(m & 3, 0)] = lo<Fmt<F>::kBf16>(pairs[m]);
+      q_smem[g * kHeadDim + d + Fmt<F>::elem(m & 3, 1)] = hi<Fmt<F>::kBf16>(pairs[m]);
     }
   }
   cp_syncwarp();
@@ -221,8 +238,9 @@ CP_DEVICE void tile_dot_portable(const uint32_t (&k0)[16], const uint32_t (&k1)[
     float a = 0.f, b = 0.f;
 #pragma unroll
     for (int m = 0; m < 16; ++m) {
-      const int d = Fmt<F>::dim_base(c, m >> 2) + 2 * (m & 3);
-      const float q0 = q_smem[h * kHeadDim + d], q1 = q_smem[h * kHeadDim + d + 1];
+      const int d = Fmt<F>::dim_base(c, m >> 2);
+      const float q0 = q_smem[h * kHeadDim + d + Fmt<F>::elem(m & 3, 0)];
+      const float q1 = q_smem[h * kHeadDim + d + Fmt<F>::elem(m & 3, 1)];
       a += lo<Fmt<F>::kBf16>(k0[m]) * q0 + hi<Fmt<F>::kBf16>(k0[m]) * q1;
       b += lo<Fmt<F>::kBf16>(k1[m]) * q0 + hi<Fmt<F>::kBf16>(k1[m]) * q1;
     }
@@ -308,6 +326,19 @@ CP_DEVICE void score_page(const ScoreParams& p, const uint8_t* page, const uint8
     TileRegs<F> regs[kBatch];
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) load_tile<F>(regs[b], page, scale_page, t0 + b, g, c);
+#if CP_MEASURE_LOADS_ONLY
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b)
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        uint32_t x = F == kNVFP4 ? regs[b].scales[s] : 0u;
+#pragma unroll
+        for (int l = 0; l < Fmt<F>::kLoads; ++l)
+          x ^= regs[b].raw[s][l].x ^ regs[b].raw[s][l].y ^ regs[b].raw[s][l].z ^ regs[b].raw[s][l].w;
+        m[s] = fmaxf(m[s], __uint_as_float(x & 0x3fffffffu));  // keeps the loads alive
+      }
+    continue;
+#endif
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       uint32_t k0[16], k1[16];
@@ -336,8 +367,30 @@ CP_DEVICE void score_page(const ScoreParams& p, const uint8_t* page, const uint8
   v1 *= scale;
 }
 
+// An item's row length and page id. Both loads are independent of each other (the page id is
+// read even for blocks the row does not reach; it is only used for blocks it does).
+struct ItemMeta {
+  int len;
+  int64_t page;
+};
+
+CP_DEVICE ItemMeta load_meta(const ScoreParams& p, int64_t it, int64_t items, int kw) {
+  ItemMeta m = {0, -1};
+  if (it >= items) return m;
+  const int i = (int)(it / kw), j = p.rank + (int)(it - (int64_t)i * kw) * p.world;
+  m.len = p.seq_lens[i];
+  if (j < p.bt_cols) m.page = p.block_table[(int64_t)i * p.bt_row_stride + j];
+  return m;
+}
+
+#if defined(CP_MIN_CTAS) && !defined(CP_HIP)  // measurement: cap registers for this many CTAs/SM
+#define CP_BOUNDS __launch_bounds__(kThreads, CP_MIN_CTAS)
+#else
+#define CP_BOUNDS __launch_bounds__(kThreads)
+#endif
+
 template <int F, bool kPush>
-__global__ void __launch_bounds__(kThreads) score_kernel(const ScoreParams p, const PushState ps) {
+__global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) {
   const int lane = threadIdx.x % CP_WARP, warp = threadIdx.x / CP_WARP;
   const int g = lane >> 2, c = lane & 3;
 #if CP_USE_MMA
@@ -351,6 +404,13 @@ __global__ void __launch_bounds__(kThreads) score_kernel(const ScoreParams p, co
   uint64_t call = 0;
 
   if (failed(p)) return;  // an earlier call failed: the host raises; don't stall every replay
+  // This warp's items: its first item's length and page are read before the handshake, which
+  // they do not depend on (local inputs), so that latency overlaps the wait for peers.
+  const int kw = p.width > p.rank ? (p.width - p.rank + p.world - 1) / p.world : 0;
+  const int64_t items = (int64_t)p.rows * kw;
+  const int64_t stride = (int64_t)gridDim.x * kWarpsPerCta;
+  int64_t it = (int64_t)blockIdx.x * kWarpsPerCta + warp;
+  ItemMeta meta = load_meta(p, it, items, kw);
   if (kPush) {
     call = *ps.calls + 1;
     if (threadIdx.x == 0) cta_failed = 0;
@@ -371,16 +431,20 @@ __global__ void __launch_bounds__(kThreads) score_kernel(const ScoreParams p, co
   }
 
   if (!kPush || !cta_failed) {
-    const int kw = p.width > p.rank ? (p.width - p.rank + p.world - 1) / p.world : 0;
-    const int64_t items = (int64_t)p.rows * kw;
     const float ninf = -__builtin_huge_valf();
     QueryFrag q;
     int cur_row = -1;
-    for (int64_t it = (int64_t)blockIdx.x * kWarpsPerCta + warp; it < items;
-         it += (int64_t)gridDim.x * kWarpsPerCta) {
+    for (; it < items; it += stride) {
+      // The next item's length and page go out now, so their latency hides behind this page.
+#if CP_META_PREFETCH
+      const ItemMeta cur = meta;
+      meta = load_meta(p, it + stride, items, kw);
+#else
+      const ItemMeta cur = load_meta(p, it, items, kw);
+#endif
       const int i = (int)(it / kw), k = (int)(it - (int64_t)i * kw);
       const int j = p.rank + k * p.world;
-      const int len = p.seq_lens[i];
+      const int len = cur.len;
       const int n = len > 0 ? (len + kPageTokens - 1) / kPageTokens : 0;
       if (k == 0 && lane == 0 && (n > p.width || n > p.bt_cols))  // checked once per row
         report(p, kErrWidth, (uint32_t)i, call, (uint64_t)n);
@@ -392,7 +456,7 @@ __global__ void __launch_bounds__(kThreads) score_kernel(const ScoreParams p, co
       } else if (j < p.init_blocks) {
         v0 = v1 = kForcedInit;
       } else {
-        const int64_t page = j < p.bt_cols ? p.block_table[(int64_t)i * p.bt_row_stride + j] : -1;
+        const int64_t page = cur.page;
         if (page < 0 || page >= p.num_pages) {
           if (lane == 0) report(p, kErrBadPage, (uint32_t)i, call, (uint64_t)j);
           v0 = v1 = __builtin_nanf("");
