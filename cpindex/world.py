@@ -259,17 +259,23 @@ def run_threads(
     timeout_s: float = 120.0,
 ) -> list[T]:
     """Runs ``fn(comm)`` as ``world_size`` in-process ranks, each on its own stream of ``device``
-    (CUDA) or on the CPU. Returns the ranks' results; re-raises the first rank's exception."""
+    (CUDA) or on the CPU. Returns the ranks' results. If ranks fail, raises the first rank's own
+    exception, with every other rank's failure attached as a note.
+
+    On a GPU each rank gets a stream on its own hardware work queue (see :func:`rank_streams`);
+    use these streams, not ones of your own, for the ranks' work."""
     world = ThreadWorld(world_size, timeout_s)
     results: list[Any] = [None] * world_size
     errors: list[BaseException | None] = [None] * world_size
     dev = torch.device(device) if device is not None else None
+    on_gpu = dev is not None and dev.type == "cuda"
+    streams, release = rank_streams(dev, world_size) if on_gpu else ([], lambda: None)
 
     def body(rank: int) -> None:
         try:
-            if dev is not None and dev.type == "cuda":
+            if on_gpu:
                 torch.cuda.set_device(dev)
-                with torch.cuda.stream(torch.cuda.Stream(dev)):
+                with torch.cuda.stream(streams[rank]):
                     results[rank] = fn(ThreadComm(world, rank))
                     torch.cuda.current_stream().synchronize()
             else:
@@ -281,18 +287,61 @@ def run_threads(
     threads = [
         threading.Thread(target=body, args=(r,), name=f"cpindex-rank{r}") for r in range(world_size)
     ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        release()
     # A rank's own exception beats the BrokenBarrierError it caused in the others.
-    first = next(
-        (e for e in errors if e is not None and not isinstance(e, CollectiveTimeout)), None
-    )
-    first = first or next((e for e in errors if e is not None), None)
-    if first is not None:
-        raise first
-    return results
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if not failed:
+        return results
+    own = [(r, e) for r, e in failed if not isinstance(e, CollectiveTimeout)]
+    first = (own or failed)[0][1]
+    for r, e in failed:
+        if e is not first:
+            first.add_note(f"rank {r} failed too: {type(e).__name__}: {e}")
+    raise first
+
+
+def rank_streams(
+    device: torch.device, n: int
+) -> tuple[list[torch.cuda.Stream], Callable[[], None]]:
+    """``n`` streams of ``device`` on ``n`` different hardware work queues, and a function that
+    destroys them.
+
+    Streams that share a queue are not independent: a rank's push kernel spins until its peers'
+    kernels of the same call run, and a peer's kernel queued behind this rank's *next* work on a
+    shared queue never starts (a deadlock until the timeout). Torch's pool streams can share
+    queues (its pool interleaves priorities), so the ranks get streams created back to back,
+    which the driver spreads over its queues round-robin (CUDA_DEVICE_MAX_CONNECTIONS, default 8;
+    ROCm: GPU_MAX_HW_QUEUES, default 4). Without the fused kernel (nothing to deadlock), pool
+    streams are used.
+    """
+    hip = torch.version.hip is not None
+    var, default = ("GPU_MAX_HW_QUEUES", 4) if hip else ("CUDA_DEVICE_MAX_CONNECTIONS", 8)
+    queues = int(os.environ.get(var, default))
+    if n > queues:
+        raise ValueError(
+            f"world_size={n} ranks on one GPU need {n} hardware work queues, but {var}={queues}; "
+            f"set {var}>={n} in the environment before CUDA starts"
+        )
+    from .kernels import KernelUnavailable, load
+
+    try:
+        mod = load(device)
+    except KernelUnavailable:
+        return [torch.cuda.Stream(device) for _ in range(n)], lambda: None
+    handles = [mod.stream_create() for _ in range(n)]
+    streams = [torch.cuda.ExternalStream(h, device=device) for h in handles]
+
+    def release() -> None:
+        for h in handles:
+            mod.stream_destroy(h)
+
+    return streams, release
 
 
 def in_turn(comm: Comm, fn: Callable[[], T]) -> T:

@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from cpindex.world import CollectiveTimeout, in_turn, run_threads
 
@@ -46,3 +47,28 @@ def test_exchange_timeout_names_the_ranks_that_never_came():
     with pytest.raises(CollectiveTimeout) as ei:
         run_threads(3, rank_fn_timed)
     assert ei.value.late == [2]
+
+
+def test_every_failing_rank_is_reported():
+    """The first rank's own error is raised; the others' ride along as notes, so a late rank and
+    the ranks that timed out waiting for it are all visible."""
+
+    def rank_fn(comm):
+        if comm.rank in (1, 2):
+            raise RuntimeError(f"boom on {comm.rank}")
+        comm.barrier()  # ranks 0 and 3 are released by the abort, with a CollectiveTimeout
+
+    with pytest.raises(RuntimeError, match="boom on 1") as info:
+        run_threads(4, rank_fn, timeout_s=5)
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "rank 2 failed too: RuntimeError: boom on 2" in notes
+    assert "rank 0 failed too" in notes and "rank 3 failed too" in notes
+
+
+def test_more_ranks_than_hardware_queues_is_refused(monkeypatch):
+    from cpindex.world import rank_streams
+
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "4")
+    monkeypatch.setenv("GPU_MAX_HW_QUEUES", "4")
+    with pytest.raises(ValueError, match="world_size=5 ranks on one GPU need 5 hardware work"):
+        rank_streams(torch.device("cuda", 0), 5)

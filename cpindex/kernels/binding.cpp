@@ -166,6 +166,18 @@ py::dict params_layout() {
   return d;
 }
 
+// Streams for the one-process world, created back to back: the driver hands out hardware work
+// queues (CUDA_DEVICE_MAX_CONNECTIONS, default 8) round-robin in creation order, so W <= 8
+// streams made in a row get W different queues. Two ranks on one queue would deadlock: a push
+// kernel waits for its peer's, which sits in the queue behind this rank's next work.
+int64_t stream_create() {
+  cudaStream_t s;
+  CP_CHECK_RT(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  return reinterpret_cast<int64_t>(s);
+}
+
+void stream_destroy(int64_t s) { CP_CHECK_RT(cudaStreamDestroy(reinterpret_cast<cudaStream_t>(s))); }
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -181,4 +193,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("can_access_peer", &can_access_peer);
   m.def("host_device_pointer", &host_device_pointer);
   m.def("params_layout", &params_layout);
+  m.def("stream_create", &stream_create);
+  m.def("stream_destroy", &stream_destroy);
 }

@@ -24,6 +24,9 @@
 #ifndef CP_BF16_BATCH  // bf16 tiles loaded before their math
 #define CP_BF16_BATCH 2
 #endif
+#ifndef CP_NVFP4_BATCH  // nvfp4 tiles loaded before their math
+#define CP_NVFP4_BATCH 8
+#endif
 #ifndef CP_MEASURE_LOADS_ONLY  // 1: read pages but skip the math (wrong scores; a ceiling)
 #define CP_MEASURE_LOADS_ONLY 0
 #endif
@@ -73,7 +76,7 @@ struct Fmt<kFP8> {
 template <>
 struct Fmt<kNVFP4> {
   static constexpr int kLoads = 1;
-  static constexpr int kBatch = 8;
+  static constexpr int kBatch = CP_NVFP4_BATCH;
   static constexpr int kTokenBytes = 64;
   static constexpr bool kBf16 = false;
   static constexpr float kUnit = CP_FP4_UNIT;  // e2m1 values arrive scaled by 2^-14
