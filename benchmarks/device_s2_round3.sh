@@ -6,7 +6,7 @@ source benchmarks/device_setup.sh || exit 1
 date -u
 V=(nv4=CP_NVFP4_BATCH=4 nv2=CP_NVFP4_BATCH=2)
 for v in "${V[@]}"; do
-  CPINDEX_KERNEL_DEFINES="${v#*=}" python3 -c "import torch; from cpindex import kernels; kernels.load(torch.device('cuda', 0))" > "$OUT/build-${v%%=*}.log" 2>&1 &
+  CPINDEX_KERNEL_DEFINES="${v#*=}" python3 -c "import torch; from cpindex import kernels; kernels.load(torch.device('cuda', 0))" > "/tmp/build-${v%%=*}.log" 2>&1 &
 done
 python3 -c "import torch; from cpindex import kernels; kernels.load(torch.device('cuda', 0)); kernels.load(torch.device('cuda', 0), portable=True)"
 timeout 200 python3 -m pytest -q -p no:cacheprovider -rs -n 1 --max-worker-restart 6 \
@@ -14,7 +14,7 @@ timeout 200 python3 -m pytest -q -p no:cacheprovider -rs -n 1 --max-worker-resta
   tests/test_multigpu.py > "$OUT/gpu-tests.log" 2>&1
 grep -E "passed|failed|FAILED|crashed|s call|^E  " "$OUT/gpu-tests.log" | tail -14
 wait; date -u
-timeout 90 python3 benchmarks/kernel_variants.py --out "$OUT/variants" --formats nvfp4 \
+timeout 90 python3 benchmarks/kernel_variants.py --out /tmp/variants --formats nvfp4 \
   --rows 1,8,32 --context 32k,128k,512k base= "${V[@]}" 2>&1 | grep -v Warn
 for v in "${V[@]}"; do
   CPINDEX_KERNEL_DEFINES="${v#*=}" timeout 60 python3 -m pytest -q -p no:cacheprovider \
