@@ -44,3 +44,14 @@ def assert_scores(got: torch.Tensor, want: torch.Tensor, rel: float = 1e-5) -> N
     err = ((got - want).abs() / row_max)[~forced]
     worst = err.max().item() if err.numel() else 0.0
     assert worst <= rel, f"max relative error {worst:.3e} > {rel:.1e}"
+
+
+def kernel_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[...] = src`` through an elementwise kernel. ``copy_``/``clone`` of contiguous tensors
+    on one device are a device-to-device memcpy, which CUDA lists among the implicitly
+    synchronizing operations: between two pushes of the one-process world that deadlocks
+    (docs/design.md, rule 2)."""
+    if dst.dtype.is_floating_point and dst.element_size() >= 2:
+        torch.mul(src, 1, out=dst)  # exact; keeps -0 and inf
+    else:
+        torch.bitwise_or(src.view(torch.uint8), 0, out=dst.view(torch.uint8))

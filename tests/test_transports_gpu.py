@@ -8,15 +8,16 @@ recovery, and a cross-process IPC mapping (no spin).
 Two rules of that world (docs/design.md) shape these tests: a rank thread never blocks on the
 GPU while holding the GIL (``.item()``, ``torch.equal``) — synchronize the stream first, which
 releases it; and nothing that implicitly synchronizes the device (a new device allocation,
-``clone()`` included, a memset, a pinned allocation) is issued while a push kernel may be in
-flight — buffers are preallocated, or all ranks meet at a host barrier first.
+``clone()`` included, a memset, a device-to-device ``copy_``, a pinned allocation) is issued
+while a push kernel may be in flight — buffers are preallocated and copied with kernels, or all
+ranks meet at a host barrier first.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from _gpu import FORMATS, assert_scores, expected, for_rank, needs_gpu
+from _gpu import FORMATS, assert_scores, expected, for_rank, kernel_copy, needs_gpu
 
 from cpindex import CPIndexConfig, IndexCP, PeerTimeoutError, testing
 from cpindex.world import Comm, in_turn, run_threads, spawn_processes
@@ -65,7 +66,7 @@ def test_ipc_matches_collective_and_reference(fmt, world):
         comm.barrier()  # every rank's allocations done before the first push
         for p, q, keep in zip(probs, qs, outs, strict=True):
             out = cp.score_push(q, p.index_cache, p.block_table, p.seq_lens, 0, 1, p.width)
-            keep.copy_(out)
+            kernel_copy(keep, out)
             out.fill_(float("nan"))  # poison: the next call must rewrite everything it returns
         return cp.transport_name, outs
 
@@ -91,7 +92,8 @@ def test_replicated_heads_and_pair_layout():
         outs = [torch.empty(1, p.rows, p.width, device=DEV) for p in probs]
         comm.barrier()
         for p, q, keep in zip(probs, qs, outs, strict=True):
-            keep.copy_(cp.score_push(q, p.index_cache, p.block_table, p.seq_lens, 0, 1, p.width))
+            out = cp.score_push(q, p.index_cache, p.block_table, p.seq_lens, 0, 1, p.width)
+            kernel_copy(keep, out)
         return outs
 
     res = _world(4, job, transport="ipc", num_heads=2)
@@ -122,7 +124,7 @@ def test_many_consecutive_calls_stay_correct():
         seen = [torch.zeros(1, p.rows, p.width, dtype=torch.bool, device=DEV) for p in probs]
         comm.barrier()
         for keep, q, a in zip(first, qs, args, strict=True):
-            keep.copy_(cp.score_push(q, *a))
+            kernel_copy(keep, cp.score_push(q, *a))
         for i in range(calls):
             k = i % len(probs)
             out = cp.score_push(qs[k], *args[k])
@@ -193,9 +195,9 @@ def test_graph_capture_replays_handshake():
         for i in range(replays):
             v = i % n_var
             for (q, bt, sl), (vq, vsl, vbt) in zip(st, var[v], strict=True):
-                q.copy_(vq[:, r : r + 1])
-                sl.copy_(vsl)
-                bt.copy_(vbt)
+                kernel_copy(q, vq[:, r : r + 1])
+                kernel_copy(sl, vsl)
+                kernel_copy(bt, vbt)
             for o in outs:
                 o.fill_(float("nan"))
             g.replay()
@@ -231,7 +233,7 @@ def test_late_peer_times_out_names_it_and_recovers():
             err = (e.peer, e.phase, str(e))
         out = torch.empty(1, p.rows, p.width, device=DEV)
         cp.reset()  # collective: ends with a barrier, so the allocation above is settled
-        out.copy_(cp.score_push(q, *args))
+        kernel_copy(out, cp.score_push(q, *args))
         torch.cuda.current_stream().synchronize()
         return err, out
 
