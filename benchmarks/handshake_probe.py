@@ -71,7 +71,7 @@ def main() -> None:
         return True
 
     try:
-        run_threads(world, job, device=DEV, timeout_s=30)
+        run_threads(world, job, device=DEV, timeout_s=12)
         print(f"{variant} world {world}: PASS")
     except Exception as e:  # a probe: report, don't raise
         notes = " | ".join(getattr(e, "__notes__", []))
