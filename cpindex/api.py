@@ -156,8 +156,14 @@ class IndexCP:
     def __enter__(self) -> IndexCP:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:  # leaving on an error: close, but never hide that error behind close's own
+            self.close()
+        except Exception as e:
+            exc.add_note(f"closing afterwards failed too: {type(e).__name__}: {e}")
 
     def __repr__(self) -> str:
         return (

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Protocol, TypeVar
@@ -263,12 +264,22 @@ def run_threads(
     exception, with every other rank's failure attached as a note.
 
     On a GPU each rank gets a stream on its own hardware work queue (see :func:`rank_streams`);
-    use these streams, not ones of your own, for the ranks' work."""
+    use these streams, not ones of your own, for the ranks' work. Run with
+    ``CUDA_MODULE_LOADING=EAGER`` (``python -m cpindex`` sets it): a kernel loaded lazily while
+    a push spins can deadlock the world (docs/design.md, rule 3); a warning says so otherwise."""
     world = ThreadWorld(world_size, timeout_s)
     results: list[Any] = [None] * world_size
     errors: list[BaseException | None] = [None] * world_size
     dev = torch.device(device) if device is not None else None
     on_gpu = dev is not None and dev.type == "cuda"
+    if on_gpu and not torch.version.hip and os.environ.get("CUDA_MODULE_LOADING") != "EAGER":
+        warnings.warn(
+            "one-process world with lazy CUDA module loading: the first launch of any kernel "
+            "while a peer's push spins can synchronize the context and deadlock. Set "
+            "CUDA_MODULE_LOADING=EAGER before CUDA starts, or launch every kernel the ranks use "
+            "between pushes once before the first push (docs/design.md)",
+            stacklevel=2,
+        )
     streams, release = rank_streams(dev, world_size) if on_gpu else ([], lambda: None)
 
     def body(rank: int) -> None:

@@ -5,12 +5,12 @@ allocations of the shared GPU. Covers: ipc == collective bit for bit and == refe
 consecutive calls with changing shapes, graph capture and replay, the late-peer timeout and
 recovery, and a cross-process IPC mapping (no spin).
 
-Two rules of that world (docs/design.md) shape these tests: a rank thread never blocks on the
+The rules of that world (docs/design.md) shape these tests: a rank thread never blocks on the
 GPU while holding the GIL (``.item()``, ``torch.equal``) — synchronize the stream first, which
-releases it; and nothing that implicitly synchronizes the device (a new device allocation,
+releases it; nothing that implicitly synchronizes the device (a new device allocation,
 ``clone()`` included, a memset, a device-to-device ``copy_``, a pinned allocation) is issued
 while a push kernel may be in flight — buffers are preallocated and copied with kernels, or all
-ranks meet at a host barrier first.
+ranks meet at a host barrier first; and kernels load eagerly (``tests/conftest.py``).
 """
 
 from __future__ import annotations
