@@ -33,8 +33,9 @@ class CollectiveTimeout(RuntimeError):
     """A tensor collective did not complete in time; ``late`` lists the ranks that had not
     arrived (empty when the backend cannot tell)."""
 
-    def __init__(self, what: str, late: list[int]) -> None:
-        super().__init__(f"{what} timed out; late ranks: {late or 'unknown'}")
+    def __init__(self, what: str, late: list[int], *, reason: str | None = None) -> None:
+        late_s = ", ".join(map(str, late)) if late else "unknown"
+        super().__init__(f"{what} {reason or f'timed out; late ranks: {late_s}'}")
         self.what, self.late = what, late
 
 
@@ -159,6 +160,7 @@ class ThreadWorld:
         self._barrier = threading.Barrier(world_size)
         self._slots: list[Any] = [None] * world_size
         self._rounds = [0] * world_size
+        self._abandoned: str | None = None  # why the world was aborted, if it was
 
     def exchange(self, rank: int, obj: Any, timeout_s: float | None = None) -> list[Any]:
         """Everyone's ``obj``; raises :class:`CollectiveTimeout` naming the ranks that had not
@@ -173,10 +175,13 @@ class ThreadWorld:
             self._barrier.wait(wait)  # nobody overwrites a slot before everyone has read it
         except threading.BrokenBarrierError:
             late = [r for r in range(self.world_size) if self._rounds[r] < mine]
-            raise CollectiveTimeout("in-process exchange", late) from None
+            raise CollectiveTimeout("in-process exchange", late, reason=self._abandoned) from None
         return out
 
-    def abort(self) -> None:
+    def abort(self, rank: int | None = None, error: BaseException | None = None) -> None:
+        """Break every pending and future exchange (a rank failed: nobody waits for it)."""
+        if rank is not None and self._abandoned is None:
+            self._abandoned = f"abandoned: rank {rank} failed ({type(error).__name__})"
         self._barrier.abort()
 
 
@@ -293,7 +298,7 @@ def run_threads(
                 results[rank] = fn(ThreadComm(world, rank))
         except BaseException as e:  # surfaced below, with the rank
             errors[rank] = e
-            world.abort()
+            world.abort(rank, e)
 
     threads = [
         threading.Thread(target=body, args=(r,), name=f"cpindex-rank{r}") for r in range(world_size)

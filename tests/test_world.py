@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -63,6 +64,8 @@ def test_every_failing_rank_is_reported():
     notes = "\n".join(getattr(info.value, "__notes__", []))
     assert "rank 2 failed too: RuntimeError: boom on 2" in notes
     assert "rank 0 failed too" in notes and "rank 3 failed too" in notes
+    # the ranks released by the abort say why, rather than "timed out"
+    assert re.search(r"rank 0 failed too: CollectiveTimeout: .* abandoned: rank [12] failed", notes)
 
 
 def test_more_ranks_than_hardware_queues_is_refused(monkeypatch):
