@@ -44,8 +44,8 @@ constexpr float kForcedInit = 1e30f;
 // ---- formats -----------------------------------------------------------------------------------
 // Each lane c (= lane % 4) of a group owns 32 of a token's 128 dims, as 16 packed 16-bit pairs
 // k[m] = (v[8q + elem(b, 0)], v[8q + elem(b, 1)]) with q = m / 4, b = m % 4, and
-// v[8q + e] = dim (dim_base(c, q) + e). The query is paired the same way, so any pairing works. Loads are 16 bytes wide and the
-// four lanes of a group read 64 contiguous bytes per instruction.
+// v[8q + e] = dim (dim_base(c, q) + e). The query is paired the same way, so any pairing works.
+// Loads are 16 bytes wide and the four lanes of a group read 64 contiguous bytes per instruction.
 template <int F>
 struct Fmt;
 
