@@ -45,7 +45,7 @@ constexpr float kForcedInit = 1e30f;
 // Each lane c (= lane % 4) of a group owns 32 of a token's 128 dims, as 16 packed 16-bit pairs
 // k[m] = (v[8q + elem(b, 0)], v[8q + elem(b, 1)]) with q = m / 4, b = m % 4, and
 // v[8q + e] = dim (dim_base(c, q) + e). The query is paired the same way, so any pairing works.
-// Loads are 16 bytes wide and the four lanes of a group read 64 contiguous bytes per instruction.
+// Loads are 16 bytes wide; the four lanes of a group read 64 contiguous bytes per instruction.
 template <int F>
 struct Fmt;
 
@@ -337,7 +337,8 @@ CP_DEVICE void score_page(const ScoreParams& p, const uint8_t* page, const uint8
         uint32_t x = F == kNVFP4 ? regs[b].scales[s] : 0u;
 #pragma unroll
         for (int l = 0; l < Fmt<F>::kLoads; ++l)
-          x ^= regs[b].raw[s][l].x ^ regs[b].raw[s][l].y ^ regs[b].raw[s][l].z ^ regs[b].raw[s][l].w;
+          x ^= regs[b].raw[s][l].x ^ regs[b].raw[s][l].y ^ regs[b].raw[s][l].z ^
+               regs[b].raw[s][l].w;
         m[s] = fmaxf(m[s], __uint_as_float(x & 0x3fffffffu));  // keeps the loads alive
       }
     continue;
