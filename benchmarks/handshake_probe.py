@@ -39,6 +39,9 @@ def problems(one_shape: bool) -> list[testing.Problem]:
 
 
 def main() -> None:
+    variants = ("full", "pushonly", "synceach", "onegrid")
+    if len(sys.argv) not in (2, 3) or sys.argv[1] not in variants:
+        sys.exit(f"usage: handshake_probe.py {{{','.join(variants)}}} [WORLD]")
     variant = sys.argv[1]
     world = int(sys.argv[2]) if len(sys.argv) > 2 else 4
     probs = problems(variant == "onegrid")

@@ -20,6 +20,15 @@ from pathlib import Path
 BUILD = "import torch; from cpindex import kernels; kernels.load(torch.device('cuda', 0))"
 
 
+def _variant(arg: str) -> tuple[str, str]:
+    name, sep, defines = arg.partition("=")
+    if not sep or not name.isidentifier():
+        raise argparse.ArgumentTypeError(
+            f"{arg!r}: expected NAME=DEFINES, e.g. 'nopf=CP_META_PREFETCH=0'"
+        )
+    return name, defines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -27,10 +36,10 @@ def main() -> None:
     ap.add_argument("--rows", default="1,32")
     ap.add_argument("--context", default="32k,128k")
     ap.add_argument("--iters", default="20")
-    ap.add_argument("variants", nargs="+", help="name=DEFINES")
+    ap.add_argument("variants", nargs="+", type=_variant, help="name=DEFINES")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    variants = dict(v.split("=", 1) for v in args.variants)
+    variants = dict(args.variants)
     envs = {n: {**os.environ, "CPINDEX_KERNEL_DEFINES": d} for n, d in variants.items()}
     builds = {n: subprocess.Popen([sys.executable, "-c", BUILD], env=e) for n, e in envs.items()}
     for n, proc in builds.items():

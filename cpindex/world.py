@@ -338,7 +338,10 @@ def rank_streams(
     """
     hip = torch.version.hip is not None
     var, default = ("GPU_MAX_HW_QUEUES", 4) if hip else ("CUDA_DEVICE_MAX_CONNECTIONS", 8)
-    queues = int(os.environ.get(var, default))
+    try:
+        queues = int(os.environ.get(var, default))
+    except ValueError:
+        raise ValueError(f"{var}={os.environ[var]!r}: expected a whole number") from None
     if n > queues:
         raise ValueError(
             f"world_size={n} ranks on one GPU need {n} hardware work queues, but {var}={queues}; "

@@ -1,4 +1,5 @@
-"""The in-process world's helpers: ordering of in_turn, and timeouts that name late ranks."""
+"""The in-process world's helpers: ordering of in_turn, timeouts that name late ranks, and the
+rank streams' checks."""
 
 from __future__ import annotations
 
@@ -75,3 +76,12 @@ def test_more_ranks_than_hardware_queues_is_refused(monkeypatch):
     monkeypatch.setenv("GPU_MAX_HW_QUEUES", "4")
     with pytest.raises(ValueError, match="world_size=5 ranks on one GPU need 5 hardware work"):
         rank_streams(torch.device("cuda", 0), 5)
+
+
+def test_hardware_queue_count_must_be_a_number(monkeypatch):
+    from cpindex.world import rank_streams
+
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "eight")
+    monkeypatch.setenv("GPU_MAX_HW_QUEUES", "eight")
+    with pytest.raises(ValueError, match="expected a whole number"):
+        rank_streams(torch.device("cuda", 0), 2)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -46,6 +47,22 @@ def _source_hash(flags: list[str]) -> str:
     return h.hexdigest()[:16]
 
 
+_DEFINE = re.compile(r"CP_[A-Z0-9_]+(=[A-Za-z0-9_.]+)?")
+
+
+def measurement_defines() -> list[str]:
+    """``CPINDEX_KERNEL_DEFINES`` ("CP_META_PREFETCH=0 CP_BF16_BATCH=4"): the kernel's
+    measurement switches for a variant build (docs/kernel.md); empty for the shipped build."""
+    defines = os.environ.get("CPINDEX_KERNEL_DEFINES", "").split()
+    for d in defines:
+        if not _DEFINE.fullmatch(d):
+            raise ValueError(
+                f"CPINDEX_KERNEL_DEFINES: {d!r} is not a kernel switch; expected "
+                "space-separated CP_NAME or CP_NAME=VALUE (e.g. 'CP_META_PREFETCH=0')"
+            )
+    return defines
+
+
 def load(device: torch.device | None = None, *, portable: bool = False) -> ModuleType:
     """The compiled extension for ``device``'s architecture (built on first use).
 
@@ -60,8 +77,7 @@ def load(device: torch.device | None = None, *, portable: bool = False) -> Modul
         from torch.utils import cpp_extension
 
         flags = ["-O3", "-std=c++17"] + (["-DCP_PORTABLE=1"] if portable else [])
-        # Measurement builds only (benchmarks/kernel_variants.py): e.g. "CP_META_PREFETCH=0".
-        flags += [f"-D{d}" for d in os.environ.get("CPINDEX_KERNEL_DEFINES", "").split()]
+        flags += [f"-D{d}" for d in measurement_defines()]
         name = f"cpindex_{arch}_{'portable_' if portable else ''}{_source_hash(flags)}"
         cache = Path(os.environ.get("CPINDEX_CACHE_DIR", Path.home() / ".cache" / "cpindex"))
         build_dir = cache / name
