@@ -90,6 +90,33 @@ CP_DEVICE uint4 cp_load_stream16(const void* p) {
 #endif
 }
 
+// ---- shared-memory staging (sm_80+, the tensor-core path only) --------------------------------
+#if CP_USE_MMA
+CP_DEVICE uint32_t cp_smem_addr(const void* p) {
+  return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+// 16 bytes global -> shared without a register round trip, cached in L2 only (read once).
+CP_DEVICE void cp_async16(uint32_t smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem), "l"(gmem) : "memory");
+}
+CP_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N>
+CP_DEVICE void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Four 8x8 16-bit matrices; lanes 8m..8m+7 give matrix m's row addresses, and lane l receives
+// row l/4, elements 2(l%4) and 2(l%4)+1 of each matrix: the mma A-fragment layout.
+CP_DEVICE void cp_ldmatrix_x4(uint32_t smem, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem)
+               : "memory");
+}
+#endif
+
 // ---- system-scope synchronisation (flags live in peer-mapped memory) ---------------------------
 CP_DEVICE uint64_t cp_load_acquire_sys(const uint64_t* p) {
 #if defined(CP_HIP)

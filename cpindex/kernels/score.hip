@@ -19,7 +19,10 @@
 // Measurement switches: `python benchmarks/kernel_variants.py` builds variants through
 // CPINDEX_KERNEL_DEFINES and times them side by side. The defaults are what ships.
 #ifndef CP_META_PREFETCH  // 1: read the next item's length and page while scoring this one
-#define CP_META_PREFETCH 1
+#define CP_META_PREFETCH 0
+#endif
+#ifndef CP_SMEM_RING  // bytes per warp of the bf16/fp8 cp.async ring (sm_80+; 0: registers)
+#define CP_SMEM_RING 8192
 #endif
 #ifndef CP_BF16_BATCH  // bf16 tiles loaded before their math
 #define CP_BF16_BATCH 2
@@ -27,9 +30,16 @@
 #ifndef CP_NVFP4_BATCH  // nvfp4 tiles loaded before their math
 #define CP_NVFP4_BATCH 8
 #endif
-#ifndef CP_MEASURE_LOADS_ONLY  // 1: read pages but skip the math (wrong scores; a ceiling)
-#define CP_MEASURE_LOADS_ONLY 0
+#ifndef CP_MEASURE_LOADS_ONLY  // 1: the register path reads pages but skips the math (wrong
+#define CP_MEASURE_LOADS_ONLY 0  // scores; a ceiling). It turns the ring off.
 #endif
+// With a ring, bf16/fp8 tiles go global -> shared by cp.async (each instruction reads 512
+// contiguous bytes, and loads stay in flight during the math) and reach the mma through ldmatrix.
+// A format whose ring would hold fewer than two 16-token tiles stays on registers; nvfp4 always
+// does (its loads read 512 contiguous bytes already).
+#define CP_SMEM_ON (CP_USE_MMA && CP_SMEM_RING > 0 && !CP_MEASURE_LOADS_ONLY)
+#define CP_RING_BF16 (CP_SMEM_ON && CP_SMEM_RING >= 2 * 16 * 256)
+#define CP_RING_FP8 (CP_SMEM_ON && CP_SMEM_RING >= 2 * 16 * 128)
 
 namespace cpindex {
 namespace {
@@ -53,30 +63,43 @@ template <>
 struct Fmt<kBF16> {
   static constexpr int kLoads = 4;  // 16-byte loads per token per lane
   static constexpr int kBatch = CP_BF16_BATCH;  // tiles loaded before their math (registers)
+  static constexpr bool kRing = CP_RING_BF16;
   static constexpr int kTokenBytes = 256;
   static constexpr bool kBf16 = true;
   static constexpr float kUnit = 1.0f;
   CP_DEVICE static int load_offset(int c, int l) { return 16 * (c + 4 * l); }
+#if CP_RING_BF16  // ldmatrix gives lane c dims 2c, 2c+1 of every 8 (k-step s: pairs 2s, 2s+1)
+  CP_DEVICE static int dim_base(int c, int q) { return 32 * q + 2 * c; }
+  CP_DEVICE static int elem(int b, int half) { return 16 * (b >> 1) + 8 * (b & 1) + half; }
+#else
   CP_DEVICE static int dim_base(int c, int q) { return 8 * (c + 4 * q); }
   CP_DEVICE static int elem(int b, int half) { return 2 * b + half; }
+#endif
 };
 
 template <>
 struct Fmt<kFP8> {
   static constexpr int kLoads = 2;
   static constexpr int kBatch = 4;
+  static constexpr bool kRing = CP_RING_FP8;
   static constexpr int kTokenBytes = 128;
   static constexpr bool kBf16 = false;
   static constexpr float kUnit = 1.0f;
   CP_DEVICE static int load_offset(int c, int l) { return 16 * (c + 4 * l); }
+#if CP_RING_FP8  // ldmatrix gives lane c bytes 4c..4c+3 of every 16
+  CP_DEVICE static int dim_base(int c, int q) { return 32 * q + 4 * c; }
+  CP_DEVICE static int elem(int b, int half) { return 16 * (b >> 1) + 2 * (b & 1) + half; }
+#else
   CP_DEVICE static int dim_base(int c, int q) { return 16 * (c + 4 * (q >> 1)) + 8 * (q & 1); }
   CP_DEVICE static int elem(int b, int half) { return 2 * b + half; }
+#endif
 };
 
 template <>
 struct Fmt<kNVFP4> {
   static constexpr int kLoads = 1;
   static constexpr int kBatch = CP_NVFP4_BATCH;
+  static constexpr bool kRing = false;
   static constexpr int kTokenBytes = 64;
   static constexpr bool kBf16 = false;
   static constexpr float kUnit = CP_FP4_UNIT;  // e2m1 values arrive scaled by 2^-14
@@ -148,6 +171,17 @@ CP_DEVICE void load_query_pairs(const ScoreParams& p, int row, int h, int c, uin
   const int elem = Fmt<F>::kBf16 ? 2 : 1;
   const uint8_t* base = p.q + (int64_t)(h / p.q_heads_per_src) * p.q_src_stride +
                         (int64_t)row * p.q_row_stride + (h % p.q_heads_per_src) * kHeadDim * elem;
+#if CP_SMEM_ON
+  if constexpr (Fmt<F>::kRing) {  // the ring's pairs are adjacent dims, one word or half-word each
+#pragma unroll
+    for (int m = 0; m < 16; ++m) {
+      const uint8_t* src = base + (Fmt<F>::dim_base(c, m >> 2) + Fmt<F>::elem(m & 3, 0)) * elem;
+      qf[m] = Fmt<F>::kBf16 ? *reinterpret_cast<const uint32_t*>(src)
+                            : cp_e4m3x2_to_f16x2(*reinterpret_cast<const uint16_t*>(src));
+    }
+    return;
+  }
+#endif
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
     const uint8_t* src = base + Fmt<F>::dim_base(c, q) * elem;
@@ -311,6 +345,27 @@ CP_DEVICE bool wait_flag(const ScoreParams& p, const uint64_t* flag, uint64_t ca
 }
 
 // ---- one item --------------------------------------------------------------------------------
+// acc holds tokens tok and tok + kGroups (heads 2c, 2c + 1); tokens at or past seq_len never count.
+CP_DEVICE void keep_max(float (&m)[4], const float (&acc)[4], int tok, int tok_limit) {
+  if (tok < tok_limit) m[0] = fmaxf(m[0], acc[0]), m[1] = fmaxf(m[1], acc[1]);
+  if (tok + kGroups < tok_limit) m[2] = fmaxf(m[2], acc[2]), m[3] = fmaxf(m[3], acc[3]);
+}
+
+// The page's max over its tokens for heads (2c, 2c + 1), in every lane, scaled.
+template <int F>
+CP_DEVICE void finish_page(const ScoreParams& p, const float (&m)[4], float& v0, float& v1) {
+  v0 = fmaxf(m[0], m[2]);
+  v1 = fmaxf(m[1], m[3]);
+#pragma unroll
+  for (int off = 4; off < CP_WARP; off <<= 1) {
+    v0 = fmaxf(v0, cp_shfl_xor(v0, off));
+    v1 = fmaxf(v1, cp_shfl_xor(v1, off));
+  }
+  const float scale = p.scale / Fmt<F>::kUnit;
+  v0 *= scale;
+  v1 *= scale;
+}
+
 template <int F>
 CP_DEVICE void score_page(const ScoreParams& p, const uint8_t* page, const uint8_t* scale_page,
                           int tok_limit, const QueryFrag& q, const float* q_smem, int g, int c,
@@ -354,22 +409,77 @@ CP_DEVICE void score_page(const ScoreParams& p, const uint8_t* page, const uint8
 #else
       tile_dot_portable<F>(k0, k1, q_smem, c, acc);
 #endif
-      const int tok = (t0 + b) * kTileTokens + g;  // tokens at or past seq_len never count
-      if (tok < tok_limit) m[0] = fmaxf(m[0], acc[0]), m[1] = fmaxf(m[1], acc[1]);
-      if (tok + kGroups < tok_limit) m[2] = fmaxf(m[2], acc[2]), m[3] = fmaxf(m[3], acc[3]);
+      keep_max(m, acc, (t0 + b) * kTileTokens + g, tok_limit);
     }
   }
-  v0 = fmaxf(m[0], m[2]);
-  v1 = fmaxf(m[1], m[3]);
-#pragma unroll
-  for (int off = 4; off < CP_WARP; off <<= 1) {
-    v0 = fmaxf(v0, cp_shfl_xor(v0, off));
-    v1 = fmaxf(v1, cp_shfl_xor(v1, off));
-  }
-  const float scale = p.scale / Fmt<F>::kUnit;
-  v0 *= scale;
-  v1 *= scale;
+  finish_page<F>(p, m, v0, v1);
 }
+
+#if CP_SMEM_ON
+// The same page through a per-warp ring of kStages tiles in shared memory: tile t + kStages - 1
+// is in flight while tile t is scored. A tile's 16 rows hold its tokens in order, 16-byte chunk
+// x of row r stored at chunk x ^ (r % 8), so that ldmatrix's 8 rows hit 8 different banks.
+template <int F>
+constexpr int kTileBytes = kTileTokens * Fmt<F>::kTokenBytes;
+template <int F>
+constexpr int kStages = Fmt<F>::kRing ? CP_SMEM_RING / kTileBytes<F> : 0;
+
+template <int F>
+CP_DEVICE void score_page_smem(const ScoreParams& p, const uint8_t* page, int tok_limit,
+                               const QueryFrag& q, int g, int c, uint8_t* ring, float& v0,
+                               float& v1) {
+  constexpr int S = kStages<F>, kRow = Fmt<F>::kTokenBytes, kChunks = kRow / 16;
+  const int lane = 4 * g + c;
+  const uint32_t ring_addr = cp_smem_addr(ring);
+  auto issue = [&](int t) {  // tile t: 512 contiguous bytes per instruction
+    const uint32_t slot = ring_addr + (t % S) * kTileBytes<F>;
+#pragma unroll
+    for (int i = 0; i < kTileBytes<F> / (16 * CP_WARP); ++i) {
+      const int id = lane + CP_WARP * i, r = id / kChunks, x = id % kChunks;
+      cp_async16(slot + r * kRow + ((x ^ (r & 7)) << 4), page + t * kTileBytes<F> + id * 16);
+    }
+  };
+#pragma unroll
+  for (int t = 0; t < S - 1; ++t) {
+    issue(t);
+    cp_async_commit();
+  }
+  const float ninf = -__builtin_huge_valf();
+  float m[4] = {ninf, ninf, ninf, ninf};
+  // ldmatrix rows: lanes 0-7 and 16-23 read tokens 0-7, lanes 8-15 and 24-31 tokens 8-15;
+  // lanes 16-31 read the chunk after lanes 0-15's.
+  const int r = (lane & 7) + (lane & 8), hi = lane >> 4;
+#pragma unroll
+  for (int t = 0; t < kTilesPerPage; ++t) {
+    if (t + S - 1 < kTilesPerPage) issue(t + S - 1);
+    cp_async_commit();  // empty near the end: keeps "S - 1 groups after tile t" true
+    cp_async_wait<S - 1>();
+    cp_syncwarp();  // every lane's copies of tile t are visible to every lane
+    const uint32_t slot = ring_addr + (t % S) * kTileBytes<F> + r * kRow;
+    uint32_t k0[16], k1[16];
+#pragma unroll
+    for (int u = 0; u < kChunks / 2; ++u) {  // chunks 2u, 2u + 1 of tokens 0-15
+      uint32_t x[4];
+      cp_ldmatrix_x4(slot + (((2 * u + hi) ^ (r & 7)) << 4), x);
+      if constexpr (Fmt<F>::kBf16) {  // one k-step: pairs 2u, 2u + 1
+        k0[2 * u] = x[0], k1[2 * u] = x[1], k0[2 * u + 1] = x[2], k1[2 * u + 1] = x[3];
+      } else {  // two k-steps: pairs 4u .. 4u + 3, each word four e4m3 values
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {  // x[w]: tokens 0-7 (k0) or 8-15 (k1), chunk 2u + w / 2
+          uint32_t(&k)[16] = (w & 1) ? k1 : k0;
+          k[4 * u + 2 * (w >> 1)] = cp_e4m3x2_to_f16x2(x[w] & 0xffffu);
+          k[4 * u + 2 * (w >> 1) + 1] = cp_e4m3x2_to_f16x2(x[w] >> 16);
+        }
+      }
+    }
+    cp_syncwarp();  // slot t % S is read before the next iteration refills it
+    float acc[4];
+    tile_dot<Fmt<F>::kBf16>(k0, k1, q, nullptr, c, acc);
+    keep_max(m, acc, t * kTileTokens + g, tok_limit);
+  }
+  finish_page<F>(p, m, v0, v1);
+}
+#endif
 
 // An item's row length and page id. Both loads are independent of each other (the page id is
 // read even for blocks the row does not reach; it is only used for blocks it does).
@@ -402,6 +512,11 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
 #else
   __shared__ float q_all[kWarpsPerCta][kMaxHeads * kHeadDim];
   float* q_smem = q_all[warp];
+#endif
+#if CP_SMEM_ON
+  constexpr int kRing = kStages<F> > 0 ? kStages<F> * kTileBytes<F> : 16;
+  __shared__ __align__(128) uint8_t ring_all[kWarpsPerCta][kRing];
+  uint8_t* ring = ring_all[warp];
 #endif
   __shared__ int cta_failed;
   __shared__ int is_last;
@@ -469,9 +584,15 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
             prepare_query<F>(p, i, g, c, q, q_smem);
             cur_row = i;
           }
-          score_page<F>(p, p.kv + page * p.kv_page_stride,
-                        F == kNVFP4 ? p.ks + page * p.ks_page_stride : nullptr,
-                        len - j * kPageTokens, q, q_smem, g, c, v0, v1);
+#if CP_SMEM_ON
+          if constexpr (kStages<F> > 0)
+            score_page_smem<F>(p, p.kv + page * p.kv_page_stride, len - j * kPageTokens, q, g,
+                               c, ring, v0, v1);
+          else
+#endif
+            score_page<F>(p, p.kv + page * p.kv_page_stride,
+                          F == kNVFP4 ? p.ks + page * p.ks_page_stride : nullptr,
+                          len - j * kPageTokens, q, q_smem, g, c, v0, v1);
         }
       }
       if (g == 0) {  // lanes 0..3 hold heads (2c, 2c+1)
