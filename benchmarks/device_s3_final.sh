@@ -4,11 +4,8 @@
 # docs/BENCHMARKS.md.
 source benchmarks/device_setup.sh || exit 1
 date -u
-python3 -c "import torch; from cpindex import kernels; kernels.load(torch.device('cuda', 0)); kernels.load(torch.device('cuda', 0), portable=True)"
-timeout 170 python3 -m pytest -q -p no:cacheprovider -rs -n 1 --max-worker-restart 4 \
-  --timeout 120 --durations=3 tests/test_kernel_gpu.py tests/test_transports_gpu.py \
-  tests/test_multigpu.py > "$OUT/gpu-tests.log" 2>&1
-grep -E "passed|failed|FAILED|crashed|s call|^E  " "$OUT/gpu-tests.log" | tail -10
+build_kernels
+gpu_suite "$OUT/gpu-tests.log"
 date -u
 timeout 140 python3 -m cpindex bench --kernel --formats bf16,fp8,nvfp4 --iters 20 \
   --out "$OUT/kernel.json" --plot "$OUT/kernel.png" > "$OUT/kernel.log" 2>&1

@@ -4,11 +4,8 @@
 # three more times, and the probe that failed in session 2 with and without eager loading.
 source benchmarks/device_setup.sh || exit 1
 date -u
-python3 -c "import torch; from cpindex import kernels; kernels.load(torch.device('cuda', 0)); kernels.load(torch.device('cuda', 0), portable=True)"
-timeout 240 python3 -m pytest -q -p no:cacheprovider -rs -n 1 --max-worker-restart 6 \
-  --timeout 120 --durations=5 tests/test_kernel_gpu.py tests/test_transports_gpu.py \
-  tests/test_multigpu.py > "$OUT/gpu-tests.log" 2>&1
-grep -E "passed|failed|FAILED|crashed|s call|^E  " "$OUT/gpu-tests.log" | tail -14
+build_kernels
+gpu_suite "$OUT/gpu-tests.log"
 for i in 1 2 3; do
   timeout 60 python3 -m pytest -q -p no:cacheprovider --timeout 50 \
     tests/test_transports_gpu.py -k many_consecutive 2>&1 | tail -1 | sed "s/^/repeat $i: /"
