@@ -1,6 +1,6 @@
 """Kernel build variants timed side by side, for deciding what ships (see docs/kernel.md).
 
-    python benchmarks/kernel_variants.py --out DIR base= nopf=CP_META_PREFETCH=0 ...
+    python benchmarks/kernel_variants.py --out DIR base= regs=CP_SMEM_RING=0 ...
 
 Each ``name=DEFINES`` (space-separated ``MACRO=VALUE`` list, may be empty) is built through
 ``CPINDEX_KERNEL_DEFINES`` (all builds in parallel first), then timed with the kernel sweep of
@@ -24,7 +24,7 @@ def _variant(arg: str) -> tuple[str, str]:
     name, sep, defines = arg.partition("=")
     if not sep or not name.isidentifier():
         raise argparse.ArgumentTypeError(
-            f"{arg!r}: expected NAME=DEFINES, e.g. 'nopf=CP_META_PREFETCH=0'"
+            f"{arg!r}: expected NAME=DEFINES, e.g. 'regs=CP_SMEM_RING=0'"
         )
     return name, defines
 

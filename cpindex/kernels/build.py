@@ -51,14 +51,14 @@ _DEFINE = re.compile(r"CP_[A-Z0-9_]+(=[A-Za-z0-9_.]+)?")
 
 
 def measurement_defines() -> list[str]:
-    """``CPINDEX_KERNEL_DEFINES`` ("CP_META_PREFETCH=0 CP_BF16_BATCH=4"): the kernel's
+    """``CPINDEX_KERNEL_DEFINES`` ("CP_SMEM_RING=0 CP_BF16_BATCH=4"): the kernel's
     measurement switches for a variant build (docs/kernel.md); empty for the shipped build."""
     defines = os.environ.get("CPINDEX_KERNEL_DEFINES", "").split()
     for d in defines:
         if not _DEFINE.fullmatch(d):
             raise ValueError(
                 f"CPINDEX_KERNEL_DEFINES: {d!r} is not a kernel switch; expected "
-                "space-separated CP_NAME or CP_NAME=VALUE (e.g. 'CP_META_PREFETCH=0')"
+                "space-separated CP_NAME or CP_NAME=VALUE (e.g. 'CP_SMEM_RING=0')"
             )
     return defines
 
