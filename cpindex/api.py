@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from . import formats
 from .config import CPIndexConfig
-from .errors import CPIndexError
+from .errors import CPIndexError, add_note
 from .transports import Context, select
 from .validation import check_call
 from .world import Comm, TorchComm
@@ -163,7 +163,7 @@ class IndexCP:
         try:  # leaving on an error: close, but never hide that error behind close's own
             self.close()
         except Exception as e:
-            exc.add_note(f"closing afterwards failed too: {type(e).__name__}: {e}")
+            add_note(exc, f"closing afterwards failed too: {type(e).__name__}: {e}")
 
     def __repr__(self) -> str:
         return (

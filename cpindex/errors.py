@@ -25,3 +25,18 @@ class PeerTimeoutError(CPIndexError):
 
 class BadBlockTableError(CPIndexError):
     """``block_table`` named a page outside the index cache (the score was written as NaN)."""
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """Attach ``note`` to ``exc`` so that its traceback shows it.
+
+    ``BaseException.add_note`` exists from Python 3.11; on 3.10 the note is appended to the
+    message (the first argument) instead, or becomes one when there is none.
+    """
+    native = getattr(exc, "add_note", None)
+    if callable(native):
+        native(note)
+    elif exc.args and isinstance(exc.args[0], str):
+        exc.args = (f"{exc.args[0]}\n{note}", *exc.args[1:])
+    else:
+        exc.args = (*exc.args, note)

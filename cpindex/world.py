@@ -23,6 +23,8 @@ from typing import Any, Protocol, TypeVar
 import torch
 import torch.distributed as dist
 
+from .errors import add_note
+
 T = TypeVar("T")
 
 # torch 2.13 renamed all_gather_into_tensor (the old name warns); older torch has only that one.
@@ -318,7 +320,7 @@ def run_threads(
     first = (own or failed)[0][1]
     for r, e in failed:
         if e is not first:
-            first.add_note(f"rank {r} failed too: {type(e).__name__}: {e}")
+            add_note(first, f"rank {r} failed too: {type(e).__name__}: {e}")
     raise first
 
 

@@ -62,7 +62,7 @@ def test_every_failing_rank_is_reported():
 
     with pytest.raises(RuntimeError, match="boom on 1") as info:
         run_threads(4, rank_fn, timeout_s=5)
-    notes = "\n".join(getattr(info.value, "__notes__", []))
+    notes = str(info.value) + "\n".join(getattr(info.value, "__notes__", []))  # 3.10: in str
     assert "rank 2 failed too: RuntimeError: boom on 2" in notes
     assert "rank 0 failed too" in notes and "rank 3 failed too" in notes
     # the ranks released by the abort say why, rather than "timed out"
