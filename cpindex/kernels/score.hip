@@ -109,6 +109,15 @@ struct Fmt<kNVFP4> {
   CP_DEVICE static int elem(int b, int half) { return 2 * (b & 1) + (b >> 1) + 4 * half; }
 };
 
+// The register path's shape: a group's 4 lanes read one token's bytes; batches tile a page (a
+// batch larger than a page is cut to one page).
+template <int F>
+constexpr bool kRegisterShapeOk =
+    Fmt<F>::kLoads * 16 * 4 == Fmt<F>::kTokenBytes && Fmt<F>::kBatch >= 1 &&
+    (kTilesPerPage % Fmt<F>::kBatch == 0 || Fmt<F>::kBatch % kTilesPerPage == 0);
+static_assert(kRegisterShapeOk<kBF16> && kRegisterShapeOk<kFP8> && kRegisterShapeOk<kNVFP4>,
+              "Fmt::kLoads or kBatch do not fit a page");
+
 template <int F>
 struct TileRegs {
   uint4 raw[2][Fmt<F>::kLoads];
@@ -171,7 +180,6 @@ CP_DEVICE void load_query_pairs(const ScoreParams& p, int row, int h, int c, uin
   const int elem = Fmt<F>::kBf16 ? 2 : 1;
   const uint8_t* base = p.q + (int64_t)(h / p.q_heads_per_src) * p.q_src_stride +
                         (int64_t)row * p.q_row_stride + (h % p.q_heads_per_src) * kHeadDim * elem;
-#if CP_SMEM_ON
   if constexpr (Fmt<F>::kRing) {  // the ring's pairs are adjacent dims, one word or half-word each
 #pragma unroll
     for (int m = 0; m < 16; ++m) {
@@ -179,21 +187,20 @@ CP_DEVICE void load_query_pairs(const ScoreParams& p, int row, int h, int c, uin
       qf[m] = Fmt<F>::kBf16 ? *reinterpret_cast<const uint32_t*>(src)
                             : cp_e4m3x2_to_f16x2(*reinterpret_cast<const uint16_t*>(src));
     }
-    return;
-  }
-#endif
+  } else {
 #pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const uint8_t* src = base + Fmt<F>::dim_base(c, q) * elem;
-    if constexpr (Fmt<F>::kBf16) {
-      const uint4 v = *reinterpret_cast<const uint4*>(src);
-      qf[4 * q] = v.x, qf[4 * q + 1] = v.y, qf[4 * q + 2] = v.z, qf[4 * q + 3] = v.w;
-    } else {
-      const uint2 v = *reinterpret_cast<const uint2*>(src);
+    for (int q = 0; q < 4; ++q) {
+      const uint8_t* src = base + Fmt<F>::dim_base(c, q) * elem;
+      if constexpr (Fmt<F>::kBf16) {
+        const uint4 v = *reinterpret_cast<const uint4*>(src);
+        qf[4 * q] = v.x, qf[4 * q + 1] = v.y, qf[4 * q + 2] = v.z, qf[4 * q + 3] = v.w;
+      } else {
+        const uint2 v = *reinterpret_cast<const uint2*>(src);
 #pragma unroll
-      for (int b = 0; b < 4; ++b)  // the keys' pairing (once per row: cost is immaterial)
-        qf[4 * q + b] = cp_e4m3x2_to_f16x2(
-            __byte_perm(v.x, v.y, Fmt<F>::elem(b, 0) | (Fmt<F>::elem(b, 1) << 4)) & 0xffffu);
+        for (int b = 0; b < 4; ++b)  // the keys' pairing (once per row: cost is immaterial)
+          qf[4 * q + b] = cp_e4m3x2_to_f16x2(
+              __byte_perm(v.x, v.y, Fmt<F>::elem(b, 0) | (Fmt<F>::elem(b, 1) << 4)) & 0xffffu);
+      }
     }
   }
 }
@@ -523,13 +530,14 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   uint64_t call = 0;
 
   if (failed(p)) return;  // an earlier call failed: the host raises; don't stall every replay
-  // This warp's items: its first item's length and page are read before the handshake, which
-  // they do not depend on (local inputs), so that latency overlaps the wait for peers.
+  // This warp's items: this rank's round-robin share of each row's blocks, row-major.
   const int kw = p.width > p.rank ? (p.width - p.rank + p.world - 1) / p.world : 0;
   const int64_t items = (int64_t)p.rows * kw;
   const int64_t stride = (int64_t)gridDim.x * kWarpsPerCta;
   int64_t it = (int64_t)blockIdx.x * kWarpsPerCta + warp;
-  ItemMeta meta = load_meta(p, it, items, kw);
+#if CP_META_PREFETCH
+  ItemMeta meta = load_meta(p, it, items, kw);  // its latency overlaps the handshake's wait
+#endif
   if (kPush) {
     call = *ps.calls + 1;
     if (threadIdx.x == 0) cta_failed = 0;
