@@ -59,6 +59,21 @@ def _on(name: str, t: torch.Tensor, device: torch.device) -> None:
         raise ValueError(f"{name}: expected a tensor on {device}, got {_desc(t)}")
 
 
+def _aligned(name: str, t: torch.Tensor, *, pages: bool = False) -> None:
+    """The kernel reads 16 bytes at a time: a view that starts (or, for a cache, whose pages
+    start) off a 16-byte boundary would fault on the GPU, so it is refused here."""
+    if t.data_ptr() % 16:
+        raise ValueError(
+            f"{name}: data must start on a 16-byte boundary (the kernel reads 16 bytes at a "
+            f"time); this view starts {t.data_ptr() % 16} bytes past one"
+        )
+    if pages and t.dim() > 1 and t.shape[0] > 1 and t.stride(0) * t.element_size() % 16:
+        raise ValueError(
+            f"{name}: pages must be a multiple of 16 bytes apart (the kernel reads 16 bytes "
+            f"at a time), got a page stride of {t.stride(0) * t.element_size()} bytes"
+        )
+
+
 def check_call(
     cfg: CPIndexConfig,
     heads_per_rank: int,
@@ -90,6 +105,7 @@ def check_call(
     if not iq.is_contiguous():
         raise ValueError(f"iq: expected a contiguous tensor, got strides {iq.stride()}")
     _on("iq", iq, device)
+    _aligned("iq", iq)
     rows = iq.shape[0]
     if not 1 <= rows <= cfg.max_rows:
         raise ValueError(f"iq: rows must be in [1, max_rows={cfg.max_rows}], got {rows}")
@@ -101,11 +117,9 @@ def check_call(
         )
     formats.check_cache(index_cache, cfg.cache_format)
     for k, part in enumerate(index_cache if isinstance(index_cache, tuple) else (index_cache,)):
-        _on(
-            "index_cache" if not isinstance(index_cache, tuple) else f"index_cache[{k}]",
-            part,
-            device,
-        )
+        name = "index_cache" if not isinstance(index_cache, tuple) else f"index_cache[{k}]"
+        _on(name, part, device)
+        _aligned(name, part, pages=True)
 
     block_table = _tensor("block_table", block_table)
     if block_table.dtype != torch.int32:

@@ -104,6 +104,38 @@ def test_iq_wrong_shape(shape):
         _push("nvfp4", _set(iq=q))
 
 
+def _shifted(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` that starts one element past a 16-byte boundary."""
+    buf = torch.empty(t.numel() + 16, dtype=t.dtype)
+    view = buf[1 : 1 + t.numel()].view(t.shape)
+    view.copy_(t)
+    assert view.data_ptr() % 16 and torch.equal(view.view(torch.uint8), t.view(torch.uint8))
+    return view
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_iq_off_a_16_byte_boundary(fmt):
+    with pytest.raises(ValueError, match=r"iq: data must start on a 16-byte boundary"):
+        _push(fmt, lambda a: a.update(iq=_shifted(a["iq"])))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_cache_off_a_16_byte_boundary(fmt):
+    with pytest.raises(ValueError, match=r"index_cache: data must start on a 16-byte boundary"):
+        _push(fmt, lambda a: a.update(index_cache=_shifted(a["index_cache"])))
+
+
+def test_cache_pages_not_16_bytes_apart():
+    def edit(a):
+        cache = a["index_cache"]  # nvfp4 [pages, 9216] uint8
+        wide = torch.empty(cache.shape[0], cache.shape[1] + 8, dtype=cache.dtype)
+        wide[:, : cache.shape[1]] = cache
+        a["index_cache"] = wide[:, : cache.shape[1]]  # pages 9224 bytes apart
+
+    with pytest.raises(ValueError, match=r"index_cache: pages must be a multiple of 16 bytes"):
+        _push("nvfp4", edit)
+
+
 def test_iq_two_dim_accepted_when_one_head():
     out3 = _push("fp8")
     out2 = _push("fp8", lambda a: a.update(iq=a["iq"][:, 0].contiguous()))
