@@ -69,7 +69,8 @@ def _block_scores(
     if q.dim() != 3:
         raise ValueError(f"q: expected [rows, heads, 128], got {list(q.shape)}")
     rows, heads = q.shape[0], q.shape[1]
-    cfg = _op_config(heads, formats.detect_format(index_cache), max(1, rows), max(1, width))
+    fmt = formats.detect_format(index_cache)
+    cfg = _op_config(heads, fmt, max(1, rows), max(1, width))
     check_call(
         cfg,
         heads,
@@ -87,7 +88,7 @@ def _block_scores(
             q, index_cache, block_table, seq_lens, init_blocks=init_blocks,
             local_blocks=local_blocks, width=width, sm_scale=sm_scale,
         )  # fmt: skip
-    scorer = _kernel_scorer(q.device, formats.detect_format(index_cache), heads, sm_scale)
+    scorer = _kernel_scorer(q.device, fmt, heads, sm_scale)
     scorer.monitor.check()
     out = torch.empty(heads, rows, width, device=q.device)
     scorer.score_local(
