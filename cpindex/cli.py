@@ -6,45 +6,167 @@ import argparse
 import logging
 import sys
 
+DESCRIPTION = (
+    "cpindex: context-parallel decode block scoring for MiniMax-M3 sparse attention. "
+    "'demo' runs one decode step on a W-rank world and checks every rank against the "
+    "reference; 'bench' times the transports (or the kernel alone); 'info' shows this "
+    "machine's GPUs and what transport 'auto' would pick."
+)
+BENCH_EXTRA = "pip install cpindex[bench]"
+TRANSPORTS = ["auto", "ipc", "mori", "collective"]
+FORMATS = ["bf16", "fp8", "nvfp4"]
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every option's default, except where it is None: those options say in their help
+    what they fall back to."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
 
 def _ints(text: str) -> list[int]:
-    return [
-        int(float(x[:-1]) * 1024) if x.lower().endswith("k") else int(x) for x in text.split(",")
-    ]
+    """``"1,8,32"`` or ``"8k,32k"`` (k = 1024) as a list of ints."""
+    try:
+        return [
+            int(float(x[:-1]) * 1024) if x.lower().endswith("k") else int(x)
+            for x in text.split(",")
+        ]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected a comma list of integers, e.g. 1,8,32 or 8k,32k"
+        ) from None
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="cpindex", description=__doc__)
-    sub = parser.add_subparsers(dest="cmd", required=True)
+def _names(choices: list[str]):
+    def parse(text: str) -> str:
+        bad = [x for x in text.split(",") if x not in choices]
+        if bad or not text:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: expected a comma list of {', '.join(choices)}"
+            )
+        return text
 
-    d = sub.add_parser("demo", help="run score_push on a W-rank world and check every rank")
-    d.add_argument("--world", type=int, default=4)
-    d.add_argument("--rows", type=int, default=8)
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cpindex",
+        description=DESCRIPTION,
+        formatter_class=_Formatter,
+        epilog="Run 'cpindex COMMAND --help' for a command's options.",
+    )
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    d = sub.add_parser(
+        "demo",
+        help="run score_push on a W-rank world and check every rank against the reference",
+        description="One random ragged decode step on a W-rank world (gloo processes on a CPU "
+        "machine, NCCL processes with W GPUs, the one-process world on one GPU); every rank's "
+        "scores and top-16 are checked against the single-process reference.",
+        formatter_class=_Formatter,
+    )
+    d.add_argument("--world", type=int, default=4, help="number of ranks W")
+    d.add_argument("--rows", type=int, default=8, help="decode rows (requests)")
     d.add_argument("--context", type=int, default=8192, help="longest row, in tokens")
-    d.add_argument("--format", dest="fmt", choices=["bf16", "fp8", "nvfp4"], default="nvfp4")
-    d.add_argument("--transport", choices=["auto", "ipc", "mori", "collective"], default="auto")
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument(
+        "--format", dest="fmt", choices=FORMATS, default="nvfp4", help="index-cache format"
+    )
+    d.add_argument("--transport", choices=TRANSPORTS, default="auto", help="transport to use")
+    d.add_argument("--seed", type=int, default=0, help="seed of the random problem")
 
-    b = sub.add_parser("bench", help="A/B the transports (and the kernel alone) on this machine")
-    b.add_argument("--transports", default="collective,ipc", help="comma list (auto allowed)")
-    b.add_argument("--world", type=int, default=4)
-    b.add_argument("--formats", default="nvfp4")
-    b.add_argument("--rows", type=_ints, default=None, help="e.g. 1,8,32")
-    b.add_argument("--context", type=_ints, default=None, help="e.g. 8k,32k,128k")
-    b.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True)
-    b.add_argument("--kernel", action="store_true", help="kernel-only sweep (single GPU)")
-    b.add_argument("--iters", type=int, default=None)
+    b = sub.add_parser(
+        "bench",
+        help="time the transports (or the kernel alone) on this machine",
+        description="Times every transport on the same full-length decode steps, beside one "
+        "rank's share scored alone ('score') and the full scan of one head without CP "
+        "('no-CP'); with --kernel, the fused kernel alone against the copy bandwidth. "
+        f"The progress bar and --plot need the bench extra: {BENCH_EXTRA}.",
+        formatter_class=_Formatter,
+    )
+    b.add_argument(
+        "--transports",
+        type=_names(TRANSPORTS),
+        metavar="LIST",
+        default="collective,ipc",
+        help="comma list of transports to compare (on a CPU machine only collective runs)",
+    )
+    b.add_argument("--world", type=int, default=4, help="number of ranks W")
+    b.add_argument(
+        "--formats",
+        type=_names(FORMATS),
+        metavar="LIST",
+        default="nvfp4",
+        help="comma list of cache formats",
+    )
+    b.add_argument(
+        "--rows",
+        type=_ints,
+        metavar="LIST",
+        default=None,
+        help="comma list of row counts (default: 1,8,32 on a GPU, 1,8 on CPU; "
+        "--kernel: 1,8,32,128)",
+    )
+    b.add_argument(
+        "--context",
+        type=_ints,
+        metavar="LIST",
+        default=None,
+        help="comma list of context lengths in tokens, k = 1024 (default: 8k,32k,128k on a "
+        "GPU, 2k,8k on CPU; --kernel: 8k,32k,128k,512k)",
+    )
+    b.add_argument(
+        "--graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time capturable transports as CUDA graph replays of 8 calls",
+    )
+    b.add_argument(
+        "--kernel", action="store_true", help="time the fused kernel alone (one GPU) instead"
+    )
+    b.add_argument(
+        "--iters",
+        type=int,
+        default=None,
+        help="timed repetitions per shape (default: 50 on a GPU, 5 on CPU; --kernel: 20)",
+    )
     b.add_argument(
         "--rccl-tests",
         dest="rccl_tests",
+        metavar="PATH",
         default=None,
-        help="directory or alltoall_perf binary of nccl-tests/rccl-tests",
+        help="directory or alltoall_perf binary of nccl-tests/rccl-tests, to time an "
+        "all-to-all of the score exchange's sizes beside the transports "
+        "(default: alltoall_perf on PATH, else skipped)",
     )
-    b.add_argument("--out", default=None, help="write every figure as JSON here")
-    b.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
+    b.add_argument(
+        "--out",
+        metavar="FILE",
+        default=None,
+        help="write every figure as JSON here (default: no file)",
+    )
+    b.add_argument(
+        "--plot",
+        metavar="PNG",
+        default=None,
+        help=f"draw the results into this PNG, needs {BENCH_EXTRA} (default: no plot)",
+    )
 
-    sub.add_parser("info", help="detected hardware and what transport 'auto' would pick")
+    sub.add_parser(
+        "info",
+        help="detected hardware and what transport 'auto' would pick",
+        description="The GPUs torch sees, peer access between them, whether the fused kernel "
+        "and MORI are available, and what transport 'auto' would pick here.",
+        formatter_class=_Formatter,
+    )
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.cmd == "demo":

@@ -14,7 +14,7 @@ def main() -> None:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     vendor = "AMD (ROCm/HIP)" if torch.version.hip else ("NVIDIA (CUDA)" if gpus else "none")
     print(f"torch {torch.__version__}; GPU vendor: {vendor}; GPUs visible: {gpus}")
-    kernel_ok, kernel_why = False, "no GPU: the reference scorer serves (collective over gloo)"
+    kernel_ok, kernel_why = False, "no GPU; the reference scorer serves, collective over gloo"
     if gpus:
         from . import kernels
 
@@ -40,12 +40,15 @@ def main() -> None:
     order = candidates(CPIndexConfig())
     print(f"'auto' tries, in order: {', '.join(order)} (prefer_mori=True puts mori first)")
     if gpus >= 2 and kernel_ok:
-        pick = "ipc, if every pair of ranks' GPUs has peer access and the self-test passes"
+        pick = (
+            "ipc, if every pair of ranks' GPUs has peer access and the self-test passes; "
+            "else collective"
+        )
     elif gpus == 1 and kernel_ok:
         pick = (
-            "ipc in the one-process world (cpindex.world.run_threads); one process per GPU "
-            "needs a GPU per rank"
+            "ipc in the one-process world (cpindex.world.run_threads), else collective; "
+            "one process per GPU needs a GPU per rank"
         )
     else:
         pick = "collective (no GPU peer writes possible here)"
-    print(f"'auto' would pick: {pick}; else collective")
+    print(f"'auto' would pick: {pick}")

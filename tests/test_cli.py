@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
+from cpindex.cli import build_parser
 
-def _cpindex(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+
+def _cpindex(*args: str, timeout: float = 120, env: dict | None = None):
     return subprocess.run(
         [sys.executable, "-m", "cpindex", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=None if env is None else {**os.environ, **env},
     )
 
 
@@ -37,6 +42,53 @@ def test_help():
     assert res.returncode == 0, res.stderr
     for word in ("demo", "bench", "info"):
         assert word in res.stdout
+    assert "``" not in res.stdout  # no raw rST markup
+
+
+def _options(parser: argparse.ArgumentParser):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _options(sub)
+        elif action.option_strings and action.dest != "help":
+            yield action
+
+
+def test_every_option_has_help_and_a_default_shown():
+    for action in _options(build_parser()):
+        assert action.help, action.option_strings
+        # argparse appends "(default: X)"; where the default is None the help says it itself
+        if action.default is None:
+            assert "default:" in action.help, action.option_strings
+    res = _cpindex("bench", "--help", timeout=60)
+    assert res.returncode == 0, res.stderr
+    text = " ".join(res.stdout.split())
+    for shown in ("(default: collective,ipc)", "(default: 4)", "(default: nvfp4)",
+                  "(default: True)", "cpindex[bench]"):  # fmt: skip
+        assert shown in text, shown
+
+
+def test_info_names_one_pick():
+    res = _cpindex("info", timeout=60)
+    assert res.returncode == 0, res.stderr
+    picks = [ln for ln in res.stdout.splitlines() if ln.startswith("'auto' would pick:")]
+    assert len(picks) == 1, res.stdout
+    assert picks[0].count("collective") == 1, picks[0]
+
+
+def test_plot_without_matplotlib_fails_naming_the_extra(tmp_path):
+    """--plot fails at once, non-zero, when matplotlib cannot be imported (faked missing)."""
+    fake = tmp_path / "fake"
+    (fake / "matplotlib").mkdir(parents=True)
+    (fake / "matplotlib" / "__init__.py").write_text("raise ImportError('faked missing')\n")
+    png = tmp_path / "out.png"
+    pythonpath = os.pathsep.join(filter(None, [str(fake), os.environ.get("PYTHONPATH")]))
+    res = _cpindex("bench", "--world", "2", "--rows", "1", "--context", "1k", "--iters", "1",
+                   "--plot", str(png), env={"PYTHONPATH": pythonpath}, timeout=60)  # fmt: skip
+    assert res.returncode != 0
+    assert "pip install cpindex[bench]" in res.stderr, res.stderr
+    assert not png.exists()
+    assert "collective us" not in res.stdout  # failed before timing anything
 
 
 def test_demo_help_lists_options():
@@ -54,15 +106,35 @@ def test_bad_arguments_exit_2(args):
 
 
 def test_bench_cpu_writes_json(tmp_path):
-    """`cpindex bench` on a CPU machine: collective + scoring + no-CP baseline, JSON out."""
+    """`cpindex bench` on a CPU machine: collective + scoring + no-CP baseline, JSON out; the
+    table printed once with its legend; no temporary file left behind or named in the JSON."""
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "cpindex", "bench", "--world", "2", "--rows", "1,3",
-           "--context", "1k", "--iters", "2", "--out", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = _cpindex("bench", "--world", "2", "--rows", "1,3", "--context", "1k", "--iters", "2",
+                    "--out", str(out), env={"TMPDIR": str(tmp)}, timeout=180)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "skipping ipc" in proc.stdout
-    data = json.loads(out.read_text())
+    lines = proc.stdout.splitlines()
+    headers = [i for i, ln in enumerate(lines) if "collective us" in ln and "no-CP us" in ln]
+    assert len(headers) == 1, proc.stdout
+    body = lines[headers[0] + 1 : headers[0] + 3]
+    assert [ln.split()[:2] for ln in body] == [["nvfp4", "1"], ["nvfp4", "3"]], proc.stdout
+    assert sum(ln.lstrip().startswith("nvfp4") for ln in lines) == 2, proc.stdout
+    for word in ("  x ", "  GB/s ", "  score ", "  no-CP "):  # the legend under the table
+        assert any(ln.startswith(word) for ln in lines), (word, proc.stdout)
+    assert list(tmp.iterdir()) == []
+    text = out.read_text()
+    assert "results_path" not in text and str(tmp) not in text
+    data = json.loads(text)
     assert [r["rows"] for r in data["results"]] == [1, 3]
     for r in data["results"]:
         assert r["agree"] == {"collective": True}
         assert r["collective"]["median_ms"] > 0 and r["nocp"]["median_ms"] > 0
+
+
+@pytest.mark.parametrize("args", [["--rows", "1,x"], ["--transports", "ipc,carrier"]])
+def test_bench_bad_lists_exit_2(args):
+    res = _cpindex("bench", *args, timeout=60)
+    assert res.returncode == 2
+    assert "expected a comma list" in res.stderr

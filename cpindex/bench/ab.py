@@ -13,6 +13,7 @@ scanning every block for its own head (what TP does without CP); and the scan by
 
 from __future__ import annotations
 
+import sys
 from dataclasses import asdict, dataclass
 
 import torch
@@ -33,7 +34,6 @@ class Spec:
     contexts: list[int]
     graphs: bool
     iters: int
-    results_path: str = ""
 
 
 def _problem(fmt: str, rows: int, ctx: int, device: torch.device) -> testing.Problem:
@@ -57,20 +57,26 @@ def _time(fn, spec: Spec, device: torch.device, capturable: bool = True, comm=No
 
 
 def _progress(total: int, enabled: bool):
-    """A tqdm bar on rank 0 when tqdm is installed (``cpindex[bench]``), else nothing."""
+    """A tqdm bar (stderr) on rank 0 when tqdm is installed (``cpindex[bench]``), else None."""
+    if not enabled:
+        return None
     try:
         from tqdm import tqdm
     except ImportError:
         return None
-    return tqdm(total=total, desc="bench", unit="shape", leave=False) if enabled else None
+    return tqdm(total=total, desc="bench", unit="shape", leave=False, file=sys.stderr)
 
 
-def _emit(bar, text: str) -> None:
+def _advance(bar, done: int, total: int, rec: dict) -> None:
+    """Progress on stderr only: the table goes to stdout once, at the end."""
     if bar is not None:
-        bar.write(text)
         bar.update(1)
     else:
-        print(text, flush=True)
+        print(
+            f"bench: {done}/{total} {rec['format']} rows={rec['rows']} context={rec['context']}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _rank_job(comm: Comm, spec: Spec, device: torch.device) -> list[dict]:
@@ -134,7 +140,7 @@ def _rank_job(comm: Comm, spec: Spec, device: torch.device) -> list[dict]:
                 rec["scan_bytes_full"] = partition.scanned_blocks(prob.seq_lens, 0, 1, 0, 1) * page
                 out.append(rec)
                 if comm.rank == 0:
-                    _emit(bar, line(rec, spec.transports))
+                    _advance(bar, len(out), shapes, rec)
                 del prob
         for cp in cps.values():
             cp.close()
@@ -233,39 +239,60 @@ def table(rows: list[dict], transports: list[str]) -> str:
     return "\n".join([header(transports), *(line(r, transports) for r in rows)])
 
 
-def _process_job(rank: int, world: int, spec: Spec, use_cuda: bool) -> None:
+def legend(spec: Spec, rows: list[dict]) -> str:
+    """What the table's columns mean, printed under it."""
+    graphs = any(r["graphs"] for r in rows)
+    how = "CUDA graph replays of 8 calls where capturable" if graphs else "eager calls"
+    return "\n".join(
+        [
+            f"Times: median per call in us over {spec.iters} timed repetitions ({how}).",
+            "  MiB/rank  index-cache bytes the busiest rank reads per call",
+            "  GB/s      MiB/rank over the fastest transport's time",
+            "  <t> us    one score_push call with transport <t>, exchange included",
+            "  x         that time over the fastest transport's (1.00 = fastest)",
+            "  score     rank 0's share scored alone, no exchange: what each GPU spends",
+            "            scanning in a real W-GPU deployment",
+            "  no-CP     one rank scoring every block for its own head (TP without CP)",
+            "  CP gain   no-CP over the fastest transport",
+            "  agree     every transport's output equals the single-device result, bit for bit",
+        ]
+    )
+
+
+def _process_job(rank: int, world: int, spec: Spec, use_cuda: bool, results_path: str) -> None:
     import json
 
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     comm = TorchComm()
     res = _rank_job(comm, spec, device)
-    if rank == 0 and spec.results_path:
-        with open(spec.results_path, "w") as f:
+    if rank == 0:
+        with open(results_path, "w") as f:
             json.dump(res, f)
 
 
 def run(spec: Spec) -> list[dict]:
+    """Every shape on every transport; rank 0's records (progress on stderr, nothing on
+    stdout)."""
     import json
     import os
     import tempfile
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    print(header(spec.transports))
     if gpus == 1 or (gpus > 1 and gpus < spec.world):
         dev = torch.device("cuda", 0)
         return run_threads(spec.world, lambda c: _rank_job(c, spec, dev), device=dev)[0]
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    spec.results_path = path
-    spawn_processes(
-        spec.world,
-        _process_job,
-        spec,
-        gpus >= spec.world,
-        backend="nccl" if gpus >= spec.world else "gloo",
-    )
-    with open(path) as f:
-        return json.load(f)
+    with tempfile.TemporaryDirectory(prefix="cpindex-bench-") as tmp:
+        path = os.path.join(tmp, "rank0.json")  # rank 0's process hands its records back here
+        spawn_processes(
+            spec.world,
+            _process_job,
+            spec,
+            gpus >= spec.world,
+            path,
+            backend="nccl" if gpus >= spec.world else "gloo",
+        )
+        with open(path) as f:
+            return json.load(f)
 
 
 def as_dict(spec: Spec) -> dict:

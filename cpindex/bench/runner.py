@@ -21,7 +21,20 @@ def _device_name() -> str:
     )
 
 
+def require_matplotlib() -> None:
+    """Exit with a message naming the extra when ``--plot`` cannot work (before any timing)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        raise SystemExit(
+            f"cpindex bench: --plot needs matplotlib ({e}); install it with: "
+            "pip install cpindex[bench]"
+        ) from None
+
+
 def main(args: argparse.Namespace) -> dict:
+    if args.plot:
+        require_matplotlib()
     gpu = torch.cuda.is_available()
     fmts = args.formats.split(",")
     meta = {
@@ -32,14 +45,16 @@ def main(args: argparse.Namespace) -> dict:
     }
     if args.kernel:
         if not gpu:
-            raise SystemExit("bench --kernel needs a GPU")
+            raise SystemExit("cpindex bench: --kernel needs a GPU")
         res = kernel_sweep.run(
             fmts,
             args.rows or [1, 8, 32, 128],
             args.context or [8 * K, 32 * K, 128 * K, 512 * K],
             args.iters or 20,
         )
-        print("\n" + kernel_sweep.table(res))
+        print(f"device-to-device copy: {res['copy_gbs']:.0f} GB/s (read + write)")
+        print(kernel_sweep.table(res))
+        print(kernel_sweep.LEGEND)
         out = {"meta": meta, **res}
     else:
         transports = [t for t in args.transports.split(",") if t]
@@ -58,7 +73,8 @@ def main(args: argparse.Namespace) -> dict:
             iters=args.iters or (50 if gpu else 5),
         )
         rows = ab.run(spec)
-        print("\n" + ab.table(rows, spec.transports))
+        print(ab.table(rows, spec.transports))
+        print(ab.legend(spec, rows))
         out = {"meta": meta, "spec": ab.as_dict(spec), "results": rows}
         out["nccl_tests"] = _nccl_tests(args, rows, spec)
     if args.out:
@@ -74,7 +90,9 @@ def _nccl_tests(args: argparse.Namespace, rows: list[dict], spec: ab.Spec) -> di
     """alltoall_perf at the score exchange's message sizes, beside the collective's time."""
     path = nccl_tests.find_binary("alltoall_perf", args.rccl_tests)
     if path is None:
-        print("nccl-tests/rccl-tests: no alltoall_perf binary given or on PATH; column left empty")
+        print(
+            "nccl-tests/rccl-tests: no alltoall_perf binary (--rccl-tests DIR, or on PATH); skipped"
+        )
         return None
     sizes = sorted({4 * r["rows"] * (r["context"] // 128) for r in rows})  # fp32 scores per rank
     table = nccl_tests.run_binary(
@@ -83,6 +101,7 @@ def _nccl_tests(args: argparse.Namespace, rows: list[dict], spec: ab.Spec) -> di
         max_bytes=max(sizes),
         ngpus=min(spec.world, torch.cuda.device_count() or 1),
     )
+    print("alltoall_perf at the score exchange's sizes (out-of-place time):")
     print(f"{'bytes':>10} {'alltoall_perf us':>17}")
     for t in table:
         print(f"{t.size_bytes:>10} {t.oop_time_us:>17.1f}")
@@ -92,23 +111,28 @@ def _nccl_tests(args: argparse.Namespace, rows: list[dict], spec: ab.Spec) -> di
 def _plot(out: dict, path: str) -> None:
     """Time vs context, log-log: one panel per format, a colour per series, a line style per
     row count."""
-    try:
-        import matplotlib
+    require_matplotlib()
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("--plot needs matplotlib (pip install cpindex[bench]); skipped")
-        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
     rows_key = "kernel" if "kernel" in out else "results"
     recs = out[rows_key]
     fmts = sorted({r["format"] for r in recs})
     fig, axes = plt.subplots(1, len(fmts), figsize=(5.5 * len(fmts), 4.5), squeeze=False)
     if rows_key == "kernel":
         series = ["kernel_ms", "triton_ms"]
+        labels = {"kernel_ms": "cpindex kernel", "triton_ms": "Triton bf16 scorer"}
         title = f"cpindex kernel alone ({out['meta']['device']})"
     else:
         series = [*out["spec"]["transports"], "score", "nocp"]
+        labels = {
+            **{t: f"CP, {t}" for t in out["spec"]["transports"]},
+            "score": "score: one rank's share scored alone, no exchange",
+            "nocp": "no-CP: one rank scans every block for its own head",
+        }
         title = f"cpindex, world {out['spec']['world']} ({out['meta']['device']})"
     styles = ["-", "--", ":", "-."]
     for ax, fmt in zip(axes[0], fmts, strict=True):
@@ -120,14 +144,23 @@ def _plot(out: dict, path: str) -> None:
                     continue
                 ys = [r[name] if rows_key == "kernel" else r[name]["median_ms"] for r in pts]
                 ax.plot([r["context"] for r in pts], [y * 1e3 for y in ys], marker="o",
-                        color=f"C{si}", linestyle=styles[ri % len(styles)],
-                        label=f"{name.removesuffix('_ms')} rows={rows}")  # fmt: skip
+                        color=f"C{si}", linestyle=styles[ri % len(styles)])  # fmt: skip
+        # one legend entry per series (colour) and per row count (line style)
+        shown = [
+            (si, n)
+            for si, n in enumerate(series)
+            if any(n in r for r in recs if r["format"] == fmt)
+        ]
+        handles = [Line2D([], [], color=f"C{si}", marker="o", label=labels[name])
+                   for si, name in shown]  # fmt: skip
+        handles += [Line2D([], [], color="grey", linestyle=styles[ri % len(styles)],
+                           label=f"{rows} rows") for ri, rows in enumerate(all_rows)]  # fmt: skip
+        ax.legend(handles=handles, fontsize=6)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("context (tokens)")
         ax.set_ylabel("time per call (us)")
         ax.set_title(fmt)
-        ax.legend(fontsize=6, ncol=2)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
