@@ -1,9 +1,11 @@
-"""Which ingredient of the 10,000-call test stalls the one-process `ipc` handshake on one GPU?
+"""A stress probe of the one-process world's `ipc` handshake on one GPU (docs/design.md, the
+one-process world's rules; docs/gpu-results.md): does code run between pushes stall it?
 
-    python benchmarks/handshake_probe.py VARIANT [WORLD]
+    python benchmarks/handshake_probe.py VARIANT [WORLD]      # or: bash benchmarks/device.sh probe
 
-Runs 400 calls per rank over 8 fp8 problems of changing shape (the test's problems) with
-`timeout_s=2`, in one of these variants, and prints PASS or the first error of every rank:
+Runs 400 calls per rank over 8 fp8 problems of changing shape (those of the 10,000-call test)
+with `timeout_s=2`, in one of these variants, and prints PASS or the first error of every rank
+(run it under CUDA_MODULE_LOADING=EAGER and =LAZY to see rule 3):
 
     full      the test: a first pass copied out with a kernel, then push / ne / or / fill,
               synchronizing every 8 calls
