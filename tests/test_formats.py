@@ -24,8 +24,9 @@ def _random_pair(pages: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, scales | sign
 
 
-def _reference_dequant(packed: torch.Tensor, scales_u8: torch.Tensor) -> torch.Tensor:
-    """Independent fp64 reference: explicit nibble split and bitwise e4m3 decode."""
+def _exact_product(packed: torch.Tensor, scales_u8: torch.Tensor) -> torch.Tensor:
+    """The unrounded product e2m1 * scale, from an explicit nibble split and a bitwise e4m3
+    decode in fp64 (exact; returned as fp32, still exact)."""
     lo = (packed & 0xF).long()
     hi = (packed >> 4).long()
     codes = torch.stack([lo, hi], dim=-1).flatten(-2)  # [p, 128, 128], even element = low
@@ -37,6 +38,17 @@ def _reference_dequant(packed: torch.Tensor, scales_u8: torch.Tensor) -> torch.T
     smag = torch.where(exp == 0, man / 8 * 2.0**-6, (1 + man / 8) * 2.0 ** (exp - 7).double())
     sval = torch.where(s >= 128, -smag, smag)
     return (vals * sval.repeat_interleave(16, dim=-1)).float()
+
+
+def _reference_dequant(packed: torch.Tensor, scales_u8: torch.Tensor) -> torch.Tensor:
+    """The key values: the exact product rounded by e4m3_rn_satfinite (which
+    tests/test_nvfp4_rounding.py checks against a bit-level oracle)."""
+    return F.e4m3_rn_satfinite(_exact_product(packed, scales_u8))
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal including the sign of zero."""
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
 # --------------------------------------------------------------------------- round trips
@@ -89,16 +101,23 @@ def test_nvfp4_error_bound(dtype: torch.dtype) -> None:
     _, scales = F.to_nvfp4_pair(c)
     assert torch.equal(scales.view(torch.uint8), expected_scale.view(torch.uint8))
 
+    # the encoder's choice, judged on the exact (unrounded) product
     s = scales.float().repeat_interleave(16, dim=-1)
-    d = F.dequantize(c, "nvfp4")
+    packed, _ = F.nvfp4_views(c)
+    exact = _exact_product(packed, scales.view(torch.uint8))
     q = (xf / s).abs()
     half_step = torch.where(q <= 2, 0.25, torch.where(q <= 4, 0.5, 1.0))
     saturated = q >= 6
-    err = (d - xf).abs()
+    err = (exact - xf).abs()
     assert bool((err[~saturated] <= (half_step * s)[~saturated] * (1 + 1e-6)).all())
-    assert torch.equal(d[saturated], (torch.sign(xf) * 6 * s)[saturated])
+    assert torch.equal(exact[saturated], (torch.sign(xf) * 6 * s)[saturated])
     # every group's amax element lands on or near 6*scale, so the grid is actually used
-    assert (d.abs().reshape(4, 128, 8, 16).amax(-1) > 0).all()
+    assert (exact.abs().reshape(4, 128, 8, 16).amax(-1) > 0).all()
+
+    # the key values: that product rounded to e4m3 (half an e4m3 step, 2**-4 relative)
+    d = F.dequantize(c, "nvfp4")
+    assert _same_bits(d, F.e4m3_rn_satfinite(exact))
+    assert bool(((d - exact).abs() <= exact.abs() * 2.0**-4 + 2.0**-10).all())
 
 
 def test_e2m1_encode_matches_brute_force() -> None:
@@ -123,17 +142,17 @@ def test_e2m1_edge_values() -> None:
     assert F.e2m1_decode(codes).tolist() == [0.0, 0.0, 6.0, -6.0, 0.5, -0.5, 6.0, -6.0, 0.0, 1.0]
 
 
-# --------------------------------------------------------------------------- exact / edge cases
+# ---------------------------------------------------------------------- nvfp4 values / edge cases
 
 
-def test_pair_exact_dequant_and_round_trip() -> None:
+def test_pair_dequant_and_round_trip() -> None:
     packed, scales_u8 = _random_pair(pages=3, seed=6)
     ref = _reference_dequant(packed, scales_u8)
     for scales in (scales_u8, scales_u8.view(torch.float8_e4m3fn)):
         c = F.from_nvfp4_pair(packed, scales)
         assert c.shape == (3, F.NVFP4_PAGE_BYTES) and c.dtype == torch.uint8
-        assert torch.equal(F.dequantize(c, "nvfp4"), ref)
-        assert torch.equal(F.dequantize((packed, scales), "nvfp4"), ref)
+        assert _same_bits(F.dequantize(c, "nvfp4"), ref)
+        assert _same_bits(F.dequantize((packed, scales), "nvfp4"), ref)
         p2, s2 = F.to_nvfp4_pair(c)
         assert s2.dtype == torch.float8_e4m3fn and p2.is_contiguous() and s2.is_contiguous()
         assert torch.equal(p2, packed) and torch.equal(s2.view(torch.uint8), scales_u8)
@@ -144,15 +163,17 @@ def test_pair_exact_dequant_and_round_trip() -> None:
 
 
 def test_quantize_exact_on_grid() -> None:
-    """Values already representable come back bit-exact, and re-quantize to the same bytes."""
+    """Keys whose products are already e4m3 values come back bit-exact and re-quantize to the
+    same bytes. Power-of-two scales up to 2**6 keep every product (<= 2 significant bits,
+    <= 384) representable in e4m3, so rounding leaves them alone."""
     g = torch.Generator().manual_seed(7)
     codes = torch.randint(0, 16, (2, 128, 128), generator=g, dtype=torch.uint8)
     codes[..., ::16] = 7  # each group holds +6, so amax/6 == scale exactly
-    scale_bytes = torch.randint(0x08, 0x7F, (2, 128, 8), generator=g, dtype=torch.uint8)
+    scale_bytes = torch.randint(1, 14, (2, 128, 8), generator=g, dtype=torch.uint8) << 3
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     c = F.from_nvfp4_pair(packed, scale_bytes)
     d = F.dequantize(c, "nvfp4")
-    assert torch.equal(d, _reference_dequant(packed, scale_bytes))
+    assert _same_bits(d, _exact_product(packed, scale_bytes))
     c2 = F.quantize(d, "nvfp4")
     assert torch.equal(F.dequantize(c2, "nvfp4"), d)
     v_ref, s_ref = F.nvfp4_views(c)
@@ -198,10 +219,19 @@ def test_nvfp4_scale_edges() -> None:
     assert s[0, 0, 0] == 0 and bool((d[0, 0, 0:16] == 0).all())
     assert bool((c[0, 0:8] == 0).all()) and c[0, 8192].item() == 0
     assert s[0, 0, 1] > 0  # neighbouring group unaffected
+    packed, scale_bytes = F.nvfp4_views(c)
+    exact = _exact_product(packed, scale_bytes)
     assert s[0, 1, 0] == 448 and s[0, 1, 1] == 448
-    assert torch.equal(d[0, 1, 0:32], x[0, 1, 0:32])
-    assert s[0, 2, 0] == 2.0**-9 and torch.equal(d[0, 2, 0:16], x[0, 2, 0:16])
-    assert s[0, 3, 0] == 448 and bool((d[0, 3, 0:16] == 6 * 448).all())
+    assert torch.equal(exact[0, 1, 0:32], x[0, 1, 0:32])
+    # key values: 0.5 * 448 = 224 and 1 * 448 stay, larger codes saturate to 448
+    want = torch.tensor([0.0, 224.0] + [448.0] * 6).repeat(2)
+    assert torch.equal(d[0, 1, 0:16], want) and torch.equal(d[0, 1, 16:32], -want)
+    assert s[0, 2, 0] == 2.0**-9 and torch.equal(exact[0, 2, 0:16], x[0, 2, 0:16])
+    # 0.5 * 2**-9 rounds to 0 (tie, even), 1.5 * 2**-9 to 2**-8 (tie, even); the rest are exact
+    want = torch.tensor([0.0, 0.0, 1.0, 2.0, 2.0, 3.0, 4.0, 6.0]).repeat(2) * 2.0**-9
+    assert torch.equal(d[0, 2, 0:16], want)
+    assert s[0, 3, 0] == 448 and bool((exact[0, 3, 0:16] == 6 * 448).all())
+    assert bool((d[0, 3, 0:16] == 448).all())
     assert s[0, 4, 0] == 1.0 and d[0, 4, 0] == -6.0 and bool((d[0, 4, 1:16] == 6.0).all())
     assert s[0, 5, 0] == 2.0**-9 and bool((d[0, 5, 0:16] == 0).all())
 
@@ -209,18 +239,136 @@ def test_nvfp4_scale_edges() -> None:
 # --------------------------------------------------------------------------- layouts / views
 
 
-def test_views_are_zero_copy() -> None:
-    c = F.quantize(_keys(pages=2, seed=9), "nvfp4")
-    v, s = F.nvfp4_views(c)
-    assert v.shape == (2, 128, 64) and s.shape == (2, 128, 8)
-    assert v.dtype == s.dtype == torch.uint8
-    assert v.untyped_storage().data_ptr() == c.untyped_storage().data_ptr()
-    assert v.data_ptr() == c.data_ptr() and s.data_ptr() == c.data_ptr() + F.NVFP4_VALUE_BYTES
-    assert v.stride() == (F.NVFP4_PAGE_BYTES, 64, 1) and s.stride() == (F.NVFP4_PAGE_BYTES, 8, 1)
-    p, sc = F.to_nvfp4_pair(c)
-    assert torch.equal(v, p) and torch.equal(s, sc.view(torch.uint8))
-    v[1, 3, 2] ^= 0xFF
-    assert c[1, 3 * 64 + 2].item() == (p[1, 3, 2].item() ^ 0xFF)
+def _inside(view: torch.Tensor, base: torch.Tensor) -> bool:
+    """Every byte the view can address lies inside base's storage."""
+    lo = base.untyped_storage().data_ptr()
+    hi = lo + base.untyped_storage().nbytes()
+    last = view.data_ptr() + sum(
+        (n - 1) * st for n, st in zip(view.shape, view.stride(), strict=True)
+    )
+    return lo <= view.data_ptr() and last + view.element_size() <= hi
+
+
+def _all_layouts(pages: int = 3, seed: int = 20) -> dict[str, F.Cache]:
+    keys = _keys(pages=pages, seed=seed)
+    keys[0, 0, :4] = torch.tensor([0.0, -0.0, -1e-30, 1e-30])  # zeros with signs, in one group
+    return {layout: F.quantize(keys, "nvfp4", layout=layout) for layout in F.NVFP4_LAYOUTS}
+
+
+def test_layouts_constant() -> None:
+    assert F.NVFP4_LAYOUTS == ("product", "vllm", "pair")
+    assert F.NVFP4_VLLM_TOKEN_BYTES == 72 == F.BYTES_PER_TOKEN["nvfp4"]
+
+
+def test_three_layouts_hold_the_same_keys() -> None:
+    caches = _all_layouts()
+    prod, vllm, pair = caches["product"], caches["vllm"], caches["pair"]
+    assert isinstance(prod, torch.Tensor) and prod.shape == (3, 9216) and prod.dtype == torch.uint8
+    assert isinstance(vllm, torch.Tensor) and vllm.shape == (3, 128, 72)
+    assert vllm.dtype == torch.uint8 and vllm.is_contiguous()
+    assert isinstance(pair, tuple) and pair[0].shape == (3, 128, 64)
+    assert pair[1].shape == (3, 128, 8)
+    assert pair[0].dtype == torch.uint8 and pair[1].dtype == torch.float8_e4m3fn
+    want = F.dequantize(prod, "nvfp4")
+    for layout, c in caches.items():
+        assert F.detect_format(c) == "nvfp4" and F.check_cache(c, "nvfp4") == 3
+        assert F.nvfp4_layout(c) == layout
+        assert _same_bits(F.dequantize(c, "nvfp4"), want)
+    # the byte maps: vLLM token t = product bytes [64t, 64t+64) then [8192+8t, 8192+8t+8)
+    for t in (0, 1, 77, 127):
+        assert torch.equal(vllm[:, t, :64], prod[:, 64 * t : 64 * t + 64])
+        assert torch.equal(vllm[:, t, 64:], prod[:, 8192 + 8 * t : 8192 + 8 * t + 8])
+    assert torch.equal(pair[0], vllm[:, :, :64])
+    assert torch.equal(pair[1].view(torch.uint8), vllm[:, :, 64:])
+
+
+def test_conversions_between_layouts() -> None:
+    caches = _all_layouts(pages=2, seed=21)
+    for c in caches.values():
+        prod = F.to_product_layout(c)
+        vllm = F.to_vllm_layout(c)
+        packed, scales = F.to_nvfp4_pair(c)
+        assert torch.equal(prod, caches["product"]) and prod.is_contiguous()
+        assert torch.equal(vllm, caches["vllm"]) and vllm.is_contiguous()
+        assert vllm.shape == (2, 128, 72) and vllm.dtype == torch.uint8
+        assert torch.equal(packed, caches["pair"][0]) and packed.is_contiguous()
+        assert scales.dtype == torch.float8_e4m3fn and scales.is_contiguous()
+        assert torch.equal(scales.view(torch.uint8), caches["pair"][1].view(torch.uint8))
+        for out in (prod, vllm, packed, scales):  # copies, never aliases of the input
+            parts = c if isinstance(c, tuple) else (c,)
+            assert all(
+                out.untyped_storage().data_ptr() != p.untyped_storage().data_ptr() for p in parts
+            )
+    assert torch.equal(F.from_nvfp4_pair(*caches["pair"]), caches["product"])
+
+
+def _check_zero_copy(cache: F.Cache) -> None:
+    """nvfp4_views aliases the input: inside its storage, and writes show through."""
+    parts = cache if isinstance(cache, tuple) else (cache, cache)
+    before = F.dequantize(cache, "nvfp4").clone()
+    v, s = F.nvfp4_views(cache)
+    assert v.shape[1:] == (128, 64) and s.shape[1:] == (128, 8)
+    assert v.dtype == s.dtype == torch.uint8 and v.stride(-1) == s.stride(-1) == 1
+    assert _inside(v, parts[0]) and _inside(s, parts[1])
+    pages = v.shape[0]
+    p, t = pages - 1, 5
+    saved = int(v[p, t, 0]), int(s[p, t, 0])
+    v[p, t, 0] = 0x7F  # element 0 -> code 15 (-6), element 1 -> code 7 (+6)
+    s[p, t, 0] = 0x38  # scale 1.0
+    after = F.dequantize(cache, "nvfp4")
+    assert after[p, t, :2].tolist() == [-6.0, 6.0]
+    assert torch.equal(after[:p], before[:p]) and torch.equal(after[p, :t], before[p, :t])
+    v[p, t, 0], s[p, t, 0] = saved  # leave the cache as it was
+    assert _same_bits(F.dequantize(cache, "nvfp4"), before)
+
+
+@pytest.mark.parametrize("layout", F.NVFP4_LAYOUTS)
+def test_views_are_zero_copy(layout: str) -> None:
+    _check_zero_copy(_all_layouts(pages=2, seed=9)[layout])
+
+
+def test_view_strides() -> None:
+    caches = _all_layouts(pages=2, seed=9)
+    prod, vllm = caches["product"], caches["vllm"]
+    v, s = F.nvfp4_views(prod)
+    assert v.data_ptr() == prod.data_ptr() and s.data_ptr() == prod.data_ptr() + 8192
+    assert v.stride() == (9216, 64, 1) and s.stride() == (9216, 8, 1)
+    v, s = F.nvfp4_views(vllm)
+    assert v.data_ptr() == vllm.data_ptr() and s.data_ptr() == vllm.data_ptr() + 64
+    assert v.stride() == (9216, 72, 1) and s.stride() == (9216, 72, 1)
+    packed, scales = caches["pair"]
+    v, s = F.nvfp4_views(caches["pair"])
+    assert v is packed and s.data_ptr() == scales.data_ptr() and s.stride() == scales.stride()
+
+
+def test_strided_views_accepted() -> None:
+    """Caches that are views of larger pools: page strides, token strides, slices of vLLM's."""
+    keys = _keys(pages=6, seed=22)
+    want = F.dequantize(F.quantize(keys, "nvfp4"), "nvfp4")
+    vllm = F.quantize(keys, "nvfp4", layout="vllm")
+    prod = F.quantize(keys, "nvfp4")
+    # a vLLM cache inside a pool with 8 spare bytes per token (token stride 80)
+    pool80 = torch.zeros(6, 128, 80, dtype=torch.uint8)
+    pool80[:, :, :72] = vllm
+    cases: list[tuple[F.Cache, str, torch.Tensor]] = [
+        ((vllm[:, :, :64], vllm[:, :, 64:]), "pair", want),  # the two slices of vLLM's cache
+        ((vllm[:, :, :64], vllm[:, :, 64:].view(torch.float8_e4m3fn)), "pair", want),
+        ((vllm[::2, :, :64], vllm[::2, :, 64:]), "pair", want[::2]),
+        (vllm[1::2], "vllm", want[1::2]),
+        (pool80[:, :, :72], "vllm", want),
+        (prod[::3], "product", want[::3]),
+        (F.nvfp4_views(prod), "pair", want),  # the product layout's own views, as a pair
+    ]
+    for cache, layout, expected in cases:
+        parts = cache if isinstance(cache, tuple) else (cache,)
+        assert not all(part.is_contiguous() for part in parts)
+        assert F.detect_format(cache) == "nvfp4"
+        assert F.check_cache(cache, "nvfp4") == expected.shape[0]
+        assert F.nvfp4_layout(cache) == layout
+        assert _same_bits(F.dequantize(cache, "nvfp4"), expected)
+        for convert in (F.to_product_layout, F.to_vllm_layout):
+            assert _same_bits(F.dequantize(convert(cache), "nvfp4"), expected)
+        _check_zero_copy(cache)
 
 
 def test_pair_with_page_stride_accepted() -> None:
@@ -230,8 +378,18 @@ def test_pair_with_page_stride_accepted() -> None:
     assert F.detect_format((sub_p, sub_s)) == "nvfp4"
     assert F.check_cache((sub_p, sub_s), "nvfp4") == 3
     c = F.from_nvfp4_pair(sub_p, sub_s)
-    assert torch.equal(F.dequantize(c, "nvfp4"), F.dequantize((sub_p, sub_s), "nvfp4"))
-    assert torch.equal(F.dequantize(c, "nvfp4"), _reference_dequant(packed[::2], scales[::2]))
+    assert _same_bits(F.dequantize(c, "nvfp4"), F.dequantize((sub_p, sub_s), "nvfp4"))
+    assert _same_bits(F.dequantize(c, "nvfp4"), _reference_dequant(packed[::2], scales[::2]))
+
+
+def test_quantize_layout_argument() -> None:
+    keys = _keys(pages=1, seed=23)
+    assert torch.equal(F.quantize(keys, "nvfp4"), F.quantize(keys, "nvfp4", layout="product"))
+    with pytest.raises(ValueError, match=r"layout must be one of \('product', 'vllm', 'pair'\)"):
+        F.quantize(keys, "nvfp4", layout="72")
+    with pytest.raises(ValueError, match=r"layout: cache_format 'fp8' has only layout 'product'"):
+        F.quantize(keys, "fp8", layout="vllm")
+    assert F.quantize(keys, "bf16", layout="product").dtype == torch.bfloat16
 
 
 # --------------------------------------------------------------------------- errors
@@ -300,3 +458,34 @@ def test_quantize_rejects_bad_keys() -> None:
         F.quantize(torch.ones(1, 128, 128, dtype=torch.int32), "fp8")
     with pytest.raises(ValueError, match="cache_format"):
         F.quantize(torch.randn(1, 128, 128), "int8")
+
+
+def test_nvfp4_layout_errors() -> None:
+    vllm = F.quantize(_keys(pages=2, seed=24), "nvfp4", layout="vllm")
+    wide = torch.zeros(2, 128, 144, dtype=torch.uint8)
+    # wrong dtype: TypeError naming the argument and the accepted layouts
+    for fn in (F.check_cache, lambda c, _: F.nvfp4_views(c), lambda c, _: F.nvfp4_layout(c)):
+        with pytest.raises(TypeError, match=r"index_cache: expected torch\.uint8 \[pages, 9216\]"):
+            fn(vllm.to(torch.int8), "nvfp4")
+    with pytest.raises(TypeError, match=r"index_cache: cannot infer cache_format.*128, 72"):
+        F.detect_format(vllm.to(torch.int8))
+    with pytest.raises(TypeError, match=r"kv: expected .*got torch\.bfloat16"):
+        F.nvfp4_views(_keys(pages=1).bfloat16(), name="kv")
+    # wrong shapes: ValueError
+    for bad in (torch.zeros(2, 128, 73, dtype=torch.uint8), vllm[:, :127], wide[:, :, :64]):
+        with pytest.raises(ValueError, match=r"index_cache: expected .*\[pages, 128, 72\]"):
+            F.check_cache(bad, "nvfp4")
+    with pytest.raises(TypeError, match="index_cache"):
+        F.detect_format(torch.zeros(2, 128, 64, dtype=torch.uint8))
+    # a last dim that is not contiguous: ValueError naming the argument and the strides
+    with pytest.raises(ValueError, match=r"index_cache: the last dim must be contiguous.*144, 2\]"):
+        F.check_cache(wide[:, :, ::2], "nvfp4")
+    with pytest.raises(ValueError, match=r"index_cache: the last dim must be contiguous"):
+        F.nvfp4_views(torch.zeros(2, 2 * 9216, dtype=torch.uint8)[:, ::2])
+    packed, scales = F.nvfp4_views(vllm)
+    with pytest.raises(ValueError, match=r"index_cache\[0\] \(packed\): the last dim must be"):
+        F.check_cache((wide[:, :, ::2][:, :, :64], scales), "nvfp4")
+    with pytest.raises(ValueError, match=r"index_cache\[1\] \(scales\): the last dim must be"):
+        F.nvfp4_views((packed, wide[:, :, :16:2]))
+    with pytest.raises(TypeError, match=r"index_cache: expected a pair"):
+        F.nvfp4_views((packed, scales, scales))  # type: ignore[arg-type]
