@@ -96,20 +96,28 @@ class IndexCP:
         init_blocks: int = 0,
         local_blocks: int = 1,
         width: int | None = None,
+        *,
+        query_len: int = 1,
     ) -> torch.Tensor:
         """This rank's heads' block scores over every block of every row.
 
         Args:
             iq: ``[rows, heads_per_rank, 128]`` (or ``[rows, 128]``) query rows of this rank's
-                heads; ``float8_e4m3fn`` for fp8/nvfp4 caches, ``bfloat16`` for bf16.
+                heads, ``rows = requests * query_len``, request-major (token t of request r is
+                row ``r * query_len + t``); ``float8_e4m3fn`` for fp8/nvfp4 caches,
+                ``bfloat16`` for bf16.
             index_cache: the paged index-key cache in ``config.cache_format``: bf16 or fp8
                 ``[pages, 128, 128]``, nvfp4 ``uint8 [pages, 9216]`` or the public pair
                 ``(packed uint8 [pages, 128, 64], scales e4m3 [pages, 128, 8])``.
-            block_table: int32 ``[rows, max_blocks]``, rows contiguous.
-            seq_lens: int32 ``[rows]``, causal lengths (own token included).
+            block_table: int32 ``[requests, max_blocks]``, rows contiguous.
+            seq_lens: int32 ``[requests]``, causal lengths through each request's last query
+                token (so ``>= query_len``); token t sees ``seq_lens[r] - query_len + 1 + t``.
             init_blocks, local_blocks: forced-selection counts (MiniMax-M3: 0 and 1).
             width: score columns, ``ceil(max(seq_lens)/128) <= width <= max_width``; default
                 ``block_table.shape[1]`` (capture-stable).
+            query_len: query tokens per request (speculative/MTP decode), at most
+                ``config.max_query_len``. The kernel reads each request's pages once for all
+                its rows.
 
         Returns:
             float32 ``[heads_per_rank, rows, width]``, a view valid until the next call.
@@ -120,7 +128,7 @@ class IndexCP:
             width = block_table.shape[1]
         call = check_call(
             self.config, self.heads_per_rank, self.device, iq, index_cache, block_table,
-            seq_lens, init_blocks, local_blocks, width,
+            seq_lens, init_blocks, local_blocks, width, query_len,
         )  # fmt: skip
         if not self._busy.acquire(blocking=False):
             raise CPIndexError(

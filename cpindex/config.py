@@ -21,6 +21,8 @@ ENV_PREFIX = "CPINDEX_"
 
 #: The fused kernel keeps one mma column per head, so one pass scores at most this many heads.
 MAX_KERNEL_HEADS = 8
+#: Query tokens of one request the kernel scores in one pass over its pages (T * H <= 64).
+MAX_QUERY_LEN = 8
 
 
 class CPIndexConfig(BaseModel):
@@ -42,7 +44,15 @@ class CPIndexConfig(BaseModel):
     head_dim: Literal[128] = Field(128, description="Index head dimension (MiniMax-M3: 128).")
     block_size: Literal[128] = Field(128, description="Tokens per KV block / cache page.")
     cache_format: CacheFormat = Field("nvfp4", description="Index-key cache format.")
-    max_rows: int = Field(256, ge=1, le=65536, description="Most query rows in one call.")
+    max_rows: int = Field(
+        256, ge=1, le=65536, description="Most query rows (requests x query_len) in one call."
+    )
+    max_query_len: int = Field(
+        8,
+        ge=1,
+        le=MAX_QUERY_LEN,
+        description="Most query tokens per request (speculative/MTP decode rows) in one call.",
+    )
     max_width: int = Field(
         4096, ge=1, le=1 << 20, description="Most score columns (blocks) in one call."
     )

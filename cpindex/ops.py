@@ -64,6 +64,7 @@ def _block_scores(
     local_blocks: int,
     width: int,
     sm_scale: float,
+    query_len: int = 1,
 ) -> torch.Tensor:
     index_cache = _join(cache, scales)
     if q.dim() != 3:
@@ -72,34 +73,26 @@ def _block_scores(
     fmt = formats.detect_format(index_cache)
     cfg = _op_config(heads, fmt, max(1, rows), max(1, width))
     check_call(
-        cfg,
-        heads,
-        q.device,
-        q,
-        index_cache,
-        block_table,
-        seq_lens,
-        init_blocks,
-        local_blocks,
-        width,
-    )
+        cfg, heads, q.device, q, index_cache, block_table, seq_lens, init_blocks,
+        local_blocks, width, query_len,
+    )  # fmt: skip
     if q.device.type != "cuda":
         return reference.block_scores(
             q, index_cache, block_table, seq_lens, init_blocks=init_blocks,
-            local_blocks=local_blocks, width=width, sm_scale=sm_scale,
+            local_blocks=local_blocks, width=width, sm_scale=sm_scale, query_len=query_len,
         )  # fmt: skip
     scorer = _kernel_scorer(q.device, fmt, heads, sm_scale)
     scorer.monitor.check()
     out = torch.empty(heads, rows, width, device=q.device)
     scorer.score_local(
         q, index_cache, block_table, seq_lens, out,
-        init_blocks=init_blocks, local_blocks=local_blocks, width=width,
+        init_blocks=init_blocks, local_blocks=local_blocks, width=width, query_len=query_len,
     )  # fmt: skip
     return out
 
 
 @_block_scores.register_fake
-def _(q, cache, scales, block_table, seq_lens, init_blocks, local_blocks, width, sm_scale):
+def _(q, cache, scales, block_table, seq_lens, init_blocks, local_blocks, width, sm_scale, t=1):
     return q.new_empty((q.shape[1], q.shape[0], width), dtype=torch.float32)
 
 
@@ -113,16 +106,19 @@ def block_scores(
     local_blocks: int = 1,
     width: int | None = None,
     sm_scale: float = 128**-0.5,
+    query_len: int = 1,
 ) -> torch.Tensor:
     """All heads' scores ``[H, rows, width]`` on one device: the fused kernel on GPU, the
-    reference on CPU. ``q`` is ``[rows, H, 128]`` (H <= 8). Inputs are validated like
-    ``score_push``'s. Inside ``torch.compile`` call ``torch.ops.cpindex.block_scores`` with the
-    same arguments (cache and nvfp4 scales as two tensors, scales ``None`` otherwise)."""
+    reference on CPU. ``q`` is ``[requests * query_len, H, 128]`` (H <= 8), ``block_table`` and
+    ``seq_lens`` one row per request. Inputs are validated like ``score_push``'s. Inside
+    ``torch.compile`` call ``torch.ops.cpindex.block_scores`` with the same arguments (cache
+    and nvfp4 scales as two tensors, scales ``None`` otherwise)."""
     cache, scales = _split(index_cache)
     width = block_table.shape[1] if width is None else width
     return torch.ops.cpindex.block_scores(
-        q, cache, scales, block_table, seq_lens, init_blocks, local_blocks, width, float(sm_scale)
-    )
+        q, cache, scales, block_table, seq_lens, init_blocks, local_blocks, width,
+        float(sm_scale), query_len,
+    )  # fmt: skip
 
 
 @torch.library.custom_op("cpindex::score_push", mutates_args=())
@@ -136,16 +132,18 @@ def _score_push(
     init_blocks: int,
     local_blocks: int,
     width: int,
+    query_len: int = 1,
 ) -> torch.Tensor:
     cp = _instances[handle]
     out = cp.score_push(
-        iq, _join(cache, scales), block_table, seq_lens, init_blocks, local_blocks, width
-    )
+        iq, _join(cache, scales), block_table, seq_lens, init_blocks, local_blocks, width,
+        query_len=query_len,
+    )  # fmt: skip
     return out.clone()
 
 
 @_score_push.register_fake
-def _(handle, iq, cache, scales, block_table, seq_lens, init_blocks, local_blocks, width):
+def _(handle, iq, cache, scales, block_table, seq_lens, init_blocks, local_blocks, width, t=1):
     # heads_per_rank from iq's shape, not the handle: dynamo may turn the handle into a SymInt
     hpr = iq.shape[1] if iq.dim() == 3 else 1
     return iq.new_empty((hpr, iq.shape[0], width), dtype=torch.float32)
@@ -160,14 +158,17 @@ def score_push(
     init_blocks: int = 0,
     local_blocks: int = 1,
     width: int | None = None,
+    *,
+    query_len: int = 1,
 ) -> torch.Tensor:
     """``cp.score_push(...)`` as a custom op (returns a copy). Inside ``torch.compile`` call
     ``torch.ops.cpindex.score_push(handle(cp), ...)`` with the handle taken outside."""
     cache, scales = _split(index_cache)
     width = block_table.shape[1] if width is None else width
     return torch.ops.cpindex.score_push(
-        handle(cp), iq, cache, scales, block_table, seq_lens, init_blocks, local_blocks, width
-    )
+        handle(cp), iq, cache, scales, block_table, seq_lens, init_blocks, local_blocks, width,
+        query_len,
+    )  # fmt: skip
 
 
 def handle(cp: IndexCP) -> int:

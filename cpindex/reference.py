@@ -37,23 +37,30 @@ def block_scores(
     width: int,
     sm_scale: float = 128**-0.5,
     columns: torch.Tensor | None = None,
+    query_len: int = 1,
 ) -> torch.Tensor:
     """Scores of every head over blocks ``columns`` (default: all ``width`` columns).
 
     Args:
-        q: ``[rows, H, 128]`` (or ``[rows, 128]``) queries, bf16 / fp8 e4m3 / float.
+        q: ``[rows, H, 128]`` (or ``[rows, 128]``) queries, bf16 / fp8 e4m3 / float;
+            ``rows = requests * query_len``, request-major (token t of request r is row
+            ``r * query_len + t``).
         index_cache: a cache in any layout :func:`cpindex.formats.detect_format` accepts.
-        block_table: int ``[rows, max_blocks]``; row i's block j is page ``block_table[i, j]``.
-        seq_lens: int ``[rows]`` causal lengths (own token included).
+        block_table: int ``[requests, max_blocks]``; request r's block j is page
+            ``block_table[r, j]``.
+        seq_lens: int ``[requests]`` causal lengths through each request's last query token;
+            token t of request r sees ``seq_lens[r] - query_len + 1 + t`` keys (so
+            ``seq_lens[r] >= query_len``).
         init_blocks, local_blocks: forced-selection counts.
         width: number of score columns.
         sm_scale: positive scale applied to every dot product.
         columns: optional int ``[C]`` subset of ``range(width)`` to compute.
+        query_len: query tokens per request (speculative/MTP decode), ``T`` above.
 
     Returns:
         float32 ``[H, rows, C]`` on ``q``'s device: ``-inf`` past the context, ``1e29`` for
         local blocks, ``1e30`` for init blocks, else the max scaled dot product over the
-        block's tokens before ``seq_lens[i]``.
+        block's tokens before the row's causal length.
     """
     fmt = formats.detect_format(index_cache)
     qf = q.double() if q.dim() == 3 else q.double().unsqueeze(1)
@@ -61,8 +68,18 @@ def block_scores(
     device = qf.device
     cols = torch.arange(width) if columns is None else columns.to(torch.int64).cpu()
     n_cols = cols.numel()
-    lens = seq_lens.to(torch.int64).cpu()
-    table = block_table.to(torch.int64).cpu()
+    t = query_len
+    if t < 1 or rows != block_table.shape[0] * t or seq_lens.shape != (block_table.shape[0],):
+        raise ValueError(
+            f"q: expected requests * query_len = {block_table.shape[0]} * {t} rows and seq_lens "
+            f"[{block_table.shape[0]}], got {rows} rows and seq_lens {list(seq_lens.shape)}"
+        )
+    if bool((seq_lens < t).any()):
+        raise ValueError(f"seq_lens: every request's length must be >= query_len ({t})")
+    # One row per query token: its request's pages, its own causal length.
+    tok_of_row = torch.arange(rows) % t
+    lens = seq_lens.to(torch.int64).cpu().repeat_interleave(t) - (t - 1) + tok_of_row
+    table = block_table.to(torch.int64).cpu().repeat_interleave(t, dim=0)
     n_blocks = (lens + formats.PAGE_TOKENS - 1) // formats.PAGE_TOKENS
     out = torch.full((heads, rows, n_cols), float("-inf"), dtype=torch.float64)
 

@@ -17,16 +17,22 @@ from . import formats, partition
 class Problem:
     """One decode step: all heads' queries and the shared cache."""
 
-    q: torch.Tensor  # [rows, H, 128] in the format's query dtype
+    q: torch.Tensor  # [requests * query_len, H, 128] in the format's query dtype
     index_cache: formats.Cache
-    block_table: torch.Tensor  # int32 [rows, max_blocks]
-    seq_lens: torch.Tensor  # int32 [rows]
+    block_table: torch.Tensor  # int32 [requests, max_blocks]
+    seq_lens: torch.Tensor  # int32 [requests], through each request's last query token
     width: int
     fmt: str
+    query_len: int = 1
 
     @property
     def rows(self) -> int:
+        """Query rows: ``requests * query_len``."""
         return self.q.shape[0]
+
+    @property
+    def requests(self) -> int:
+        return self.block_table.shape[0]
 
     def rank_queries(self, rank: int, world: int) -> torch.Tensor:
         """What rank ``rank`` passes to ``score_push``: its heads' rows ``[rows, hpr, 128]``."""
@@ -44,6 +50,7 @@ class Problem:
             self.seq_lens.to(device),
             self.width,
             self.fmt,
+            self.query_len,
         )
 
 
@@ -60,10 +67,11 @@ def random_lengths(
 
 
 def make_problem(
-    rows: int,
+    requests: int,
     max_len: int,
     fmt: str = "nvfp4",
     *,
+    query_len: int = 1,
     num_heads: int = 4,
     seed: int = 0,
     lengths: torch.Tensor | None = None,
@@ -72,13 +80,18 @@ def make_problem(
     spare_pages: int = 3,
     device: torch.device | str = "cpu",
 ) -> Problem:
-    """A random problem whose rows have ragged causal lengths up to ``max_len`` tokens.
+    """A random problem of ``requests`` requests with ragged causal lengths up to ``max_len``
+    tokens (at least ``query_len``), each scoring ``query_len`` query rows.
 
     Keys are RMS-normed like MiniMax-M3's index keys, queries are O(1); both are quantized to
-    ``fmt``. ``width`` defaults to the blocks the longest row needs.
+    ``fmt``. ``width`` defaults to the blocks the longest request needs.
     """
+    rows = requests
     g = torch.Generator().manual_seed(seed)
-    lens = random_lengths(rows, max_len, g) if lengths is None else lengths.to(torch.int32).cpu()
+    if lengths is None:
+        lens = random_lengths(rows, max(max_len, query_len), g, min_len=query_len)
+    else:
+        lens = lengths.to(torch.int32).cpu()
     max_blocks = max(1, -(-int(lens.max()) // formats.PAGE_TOKENS))
     pages = rows * max_blocks + spare_pages
     keys = torch.randn(pages, formats.PAGE_TOKENS, formats.HEAD_DIM, generator=g)
@@ -87,7 +100,7 @@ def make_problem(
     if nvfp4_pair:
         cache = formats.to_nvfp4_pair(cache)
     table = torch.randperm(pages, generator=g)[: rows * max_blocks].view(rows, max_blocks)
-    q = torch.randn(rows, num_heads, formats.HEAD_DIM, generator=g) * 2.0
+    q = torch.randn(rows * query_len, num_heads, formats.HEAD_DIM, generator=g) * 2.0
     q = q.to(formats.query_dtype(fmt))
-    prob = Problem(q, cache, table.to(torch.int32), lens, width or max_blocks, fmt)
+    prob = Problem(q, cache, table.to(torch.int32), lens, width or max_blocks, fmt, query_len)
     return prob.to(device)

@@ -22,17 +22,23 @@ from .config import CPIndexConfig
 class Call:
     """One validated ``score_push`` call."""
 
-    iq: torch.Tensor  # [rows, heads_per_rank, 128], contiguous
+    iq: torch.Tensor  # [requests * query_len, heads_per_rank, 128], contiguous
     index_cache: formats.Cache
-    block_table: torch.Tensor
-    seq_lens: torch.Tensor
+    block_table: torch.Tensor  # [requests, max_blocks]
+    seq_lens: torch.Tensor  # [requests]
     init_blocks: int
     local_blocks: int
     width: int
+    query_len: int = 1
 
     @property
     def rows(self) -> int:
+        """Query rows: ``requests * query_len``."""
         return self.iq.shape[0]
+
+    @property
+    def requests(self) -> int:
+        return self.block_table.shape[0]
 
 
 def _desc(t: torch.Tensor) -> str:
@@ -85,8 +91,10 @@ def check_call(
     init_blocks: object,
     local_blocks: object,
     width: object,
+    query_len: object = 1,
 ) -> Call:
     """Validates one call; raises ``TypeError``/``ValueError`` naming the argument."""
+    query_len = _count("query_len", query_len, 1, cfg.max_query_len)
     iq = _tensor("iq", iq)
     qdt = formats.query_dtype(cfg.cache_format)
     if iq.dtype != qdt:
@@ -109,6 +117,11 @@ def check_call(
     rows = iq.shape[0]
     if not 1 <= rows <= cfg.max_rows:
         raise ValueError(f"iq: rows must be in [1, max_rows={cfg.max_rows}], got {rows}")
+    if rows % query_len:
+        raise ValueError(
+            f"iq: rows must be requests * query_len (query_len={query_len}), got {rows} rows"
+        )
+    requests = rows // query_len
 
     if not isinstance(index_cache, (torch.Tensor, tuple)):
         raise TypeError(
@@ -126,10 +139,10 @@ def check_call(
         raise TypeError(
             f"block_table: expected torch.int32 [rows, max_blocks], got {_desc(block_table)}"
         )
-    if block_table.dim() != 2 or block_table.shape[0] != rows or block_table.shape[1] < 1:
+    if block_table.dim() != 2 or block_table.shape[0] != requests or block_table.shape[1] < 1:
         raise ValueError(
-            f"block_table: expected torch.int32 [{rows}, max_blocks >= 1] (rows from iq), "
-            f"got {_desc(block_table)}"
+            f"block_table: expected torch.int32 [{requests}, max_blocks >= 1] (one row per "
+            f"request: iq's {rows} rows / query_len {query_len}), got {_desc(block_table)}"
         )
     if block_table.stride(1) != 1:
         raise ValueError(
@@ -139,10 +152,15 @@ def check_call(
 
     seq_lens = _tensor("seq_lens", seq_lens)
     if seq_lens.dtype != torch.int32:
-        raise TypeError(f"seq_lens: expected torch.int32 [{rows}], got {_desc(seq_lens)}")
-    if seq_lens.shape != (rows,) or not seq_lens.is_contiguous():
+        raise TypeError(f"seq_lens: expected torch.int32 [{requests}], got {_desc(seq_lens)}")
+    if seq_lens.shape != (requests,):
         raise ValueError(
-            f"seq_lens: expected contiguous torch.int32 [{rows}], got {_desc(seq_lens)}"
+            f"seq_lens: expected torch.int32 [{requests}] (one length per request), "
+            f"got {_desc(seq_lens)}"
+        )
+    if not seq_lens.is_contiguous():
+        raise ValueError(
+            f"seq_lens: expected a contiguous tensor, got strides {list(seq_lens.stride())}"
         )
     _on("seq_lens", seq_lens, device)
 
@@ -151,8 +169,10 @@ def check_call(
     width = _count("width", width, 1, cfg.max_width)
 
     if seq_lens.device.type == "cpu":
-        _check_contents(cfg, index_cache, block_table, seq_lens, init_blocks, local_blocks, width)
-    return Call(iq, index_cache, block_table, seq_lens, init_blocks, local_blocks, width)
+        _check_contents(
+            cfg, index_cache, block_table, seq_lens, init_blocks, local_blocks, width, query_len
+        )
+    return Call(iq, index_cache, block_table, seq_lens, init_blocks, local_blocks, width, query_len)
 
 
 def _check_contents(
@@ -163,8 +183,16 @@ def _check_contents(
     init_blocks: int,
     local_blocks: int,
     width: int,
+    query_len: int,
 ) -> None:
     """Checks that read CPU tensors' contents (see the module docstring)."""
+    short = (seq_lens < query_len).nonzero()
+    if short.numel():
+        r = int(short[0, 0])
+        raise ValueError(
+            f"seq_lens: request {r} has length {int(seq_lens[r])}, but each request's length "
+            f"counts its own query tokens, so it must be >= query_len ({query_len})"
+        )
     longest = int(seq_lens.max())
     need = -(-longest // cfg.block_size)
     if need > width:

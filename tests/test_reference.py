@@ -16,12 +16,26 @@ E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # --------------------------------------------------------------------------- the oracle
 
 
+def _e4m3_round(x: torch.Tensor) -> torch.Tensor:
+    """Round float64 values to e4m3 (nearest, ties to even, saturating at 448) with float64
+    arithmetic alone: 3 mantissa bits below the leading one for normals (exponent >= -6), a
+    fixed step of 2**-9 for subnormals. Independent of torch's fp8 cast."""
+    a = x.abs()
+    e = torch.floor(torch.log2(a.clamp_min(2.0**-20))).clamp_min(-6)
+    step = torch.pow(2.0, e - 3)
+    r = torch.round(a / step) * step  # torch.round: half to even
+    return torch.copysign(r.clamp_max(448.0), x)
+
+
 def _oracle_keys(cache, fmt: str) -> torch.Tensor:
-    """Keys as float64 [pages, 128, 128], decoded independently of cpindex.formats (SPEC §4)."""
+    """Keys as float64 [pages, 128, 128], decoded independently of cpindex.formats (contract:
+    nvfp4 keys are e4m3_rn_satfinite(e2m1 * scale))."""
     if fmt in ("bf16", "fp8"):
         return cache.double()
     if isinstance(cache, tuple):
         packed, scales = cache
+    elif cache.dim() == 3:  # vLLM: per token 64 value bytes, then its 8 scale bytes
+        packed, scales = cache[:, :, :64], cache[:, :, 64:]
     else:  # product layout: 8192 value bytes (64 per token), then 1024 scale bytes (8 per token)
         packed = cache[:, :8192].reshape(-1, 128, 64)
         scales = cache[:, 8192:].reshape(-1, 128, 8)
@@ -30,18 +44,21 @@ def _oracle_keys(cache, fmt: str) -> torch.Tensor:
     lo = lut[(packed & 0xF).long()]  # element 2i: low nibble of byte i
     hi = lut[(packed >> 4).long()]  # element 2i + 1
     vals = torch.stack([lo, hi], dim=-1).reshape(-1, 128, 128)
-    return vals * scale.repeat_interleave(16, dim=-1)
+    return _e4m3_round(vals * scale.repeat_interleave(16, dim=-1))
 
 
-def oracle(q, cache, table, lens, *, init, local, width, sm_scale=128**-0.5):
-    """Loop over rows, heads and columns applying SPEC §3's rules in the stated order."""
+def oracle(q, cache, table, lens, *, init, local, width, sm_scale=128**-0.5, query_len=1):
+    """Loop over rows, heads and columns applying the contract's rules in the stated order."""
     fmt = formats.detect_format(cache)
     keys = _oracle_keys(cache, fmt)
     qd = q.double() if q.dim() == 3 else q.double().unsqueeze(1)
     rows, heads, _ = qd.shape
+    t = query_len
     out = torch.empty(heads, rows, width, dtype=torch.float64)
     for i in range(rows):
-        seq = int(lens[i])
+        r = i // t
+        seq = int(lens[r]) - t + 1 + i % t  # token i % t of request r
+        assert seq >= 1
         n = math.ceil(seq / 128)
         for h in range(heads):
             for j in range(width):
@@ -52,7 +69,7 @@ def oracle(q, cache, table, lens, *, init, local, width, sm_scale=128**-0.5):
                 elif j < init:
                     v = 1e30
                 else:
-                    page = int(table[i, j])
+                    page = int(table[r, j])
                     valid = min(128, seq - j * 128)  # tokens t of block j with t < seq
                     assert valid >= 1
                     dots = keys[page, :valid] @ qd[i, h]
@@ -64,6 +81,7 @@ def oracle(q, cache, table, lens, *, init, local, width, sm_scale=128**-0.5):
 def _scores(prob, init, local, width=None, **kw):
     args = (prob.q, prob.index_cache, prob.block_table, prob.seq_lens)
     w = width or prob.width
+    kw.setdefault("query_len", prob.query_len)
     got = reference.block_scores(*args, init_blocks=init, local_blocks=local, width=w, **kw)
     want = oracle(*args, init=init, local=local, width=w, **kw)
     return got, want
@@ -78,22 +96,26 @@ def _assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
 
 # --------------------------------------------------------------------------- block_scores
 
-FORMATS = ["bf16", "fp8", "nvfp4", "nvfp4-pair"]
+FORMATS = ["bf16", "fp8", "nvfp4", "nvfp4-pair", "nvfp4-vllm"]
 LENGTHS = [1, 127, 128, 129, 255, 256, 300, 641, 1000]  # partial and full last blocks
 
 
-def _problem(fmt: str, lengths, seed: int, num_heads: int = 4, width=None):
-    base = fmt.removesuffix("-pair")
-    return testing.make_problem(
+def _problem(fmt: str, lengths, seed: int, num_heads: int = 4, width=None, query_len=1):
+    base = fmt.removesuffix("-pair").removesuffix("-vllm")
+    prob = testing.make_problem(
         len(lengths),
         max(lengths),
         base,
+        query_len=query_len,
         num_heads=num_heads,
         seed=seed,
         lengths=torch.tensor(lengths),
         nvfp4_pair=fmt.endswith("-pair"),
         width=width,
     )
+    if fmt.endswith("-vllm"):
+        prob.index_cache = formats.to_vllm_layout(prob.index_cache)
+    return prob
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -126,6 +148,51 @@ def test_block_scores_random_ragged(fmt):
     prob = _problem(fmt, lens.tolist(), seed=3)
     got, want = _scores(prob, 0, 1)
     _assert_same(got, want)
+
+
+# --------------------------------------------------------------------------- multi-token requests
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("query_len", [1, 2, 3, 4, 8])
+def test_multi_token_requests_match_oracle(fmt, query_len):
+    # lengths where the T rows' causal cuts fall inside the last block for some rows and not
+    # others (128 + 2: with T = 4 the first rows end in block 0, the last in block 1), lengths
+    # equal to T, and full blocks
+    lengths = [query_len, 130, 256, 257 + query_len, 1000, 128 * 5 + 1]
+    prob = _problem(fmt, lengths, seed=20 + query_len, query_len=query_len)
+    assert prob.q.shape[0] == len(lengths) * query_len
+    for init, local in [(0, 1), (1, 1), (2, 2)]:
+        got, want = _scores(prob, init, local)
+        assert got.shape == (4, len(lengths) * query_len, prob.width)
+        _assert_same(got, want)
+
+
+def test_multi_token_rows_are_single_token_rows():
+    """A T-row request is T one-row requests sharing pages, with lengths L - T + 1 + t."""
+    t = 4
+    prob = _problem("nvfp4", [4, 131, 700, 1024], seed=31, query_len=t)
+    kw = dict(init_blocks=1, local_blocks=1, width=prob.width)
+    multi = reference.block_scores(
+        prob.q, prob.index_cache, prob.block_table, prob.seq_lens, query_len=t, **kw
+    )
+    lens = prob.seq_lens.repeat_interleave(t) - (t - 1) + torch.arange(prob.rows) % t
+    single = reference.block_scores(
+        prob.q, prob.index_cache, prob.block_table.repeat_interleave(t, dim=0), lens.int(), **kw
+    )
+    assert torch.equal(multi, single)
+
+
+def test_multi_token_shape_and_length_errors():
+    prob = _problem("fp8", [10, 300], seed=3, query_len=4)
+    args = (prob.q, prob.index_cache, prob.block_table, prob.seq_lens)
+    kw = dict(init_blocks=0, local_blocks=1, width=prob.width)
+    with pytest.raises(ValueError, match="query_len"):
+        reference.block_scores(*args, query_len=3, **kw)
+    short = prob.seq_lens.clone()
+    short[0] = 3
+    with pytest.raises(ValueError, match="seq_lens"):
+        reference.block_scores(*args[:3], short, query_len=4, **kw)
 
 
 def test_nvfp4_pair_equals_product_layout():

@@ -36,16 +36,19 @@ void score(const torch::Tensor& q, const torch::Tensor& kv, const c10::optional<
   TORCH_CHECK(params_image.numel() == (int64_t)sizeof(ScoreParams), "ScoreParams image size");
   ScoreParams p;
   std::memcpy(&p, params_image.data_ptr(), sizeof p);
-  const auto* kv_bytes = static_cast<const uint8_t*>(kv.data_ptr());
-  p.kv = kv_bytes;
+  // kv/ks arrive as views (cpindex.kernels.launcher.cache_parts): bf16/fp8 [pages, 128, 128];
+  // nvfp4 values [pages, 128, 64] and scales [pages, 128, 8] of any of its three layouts.
+  p.kv = static_cast<const uint8_t*>(kv.data_ptr());
   p.kv_page_stride = kv.stride(0) * kv.element_size();
+  p.kv_token_stride = kv.stride(1) * kv.element_size();
   p.num_pages = kv.size(0);
-  if (ks.has_value()) {  // nvfp4 as the public (packed, scales) pair
+  if (ks.has_value()) {
     p.ks = static_cast<const uint8_t*>(ks->data_ptr());
     p.ks_page_stride = ks->stride(0) * ks->element_size();
-  } else {  // nvfp4 product layout: scales follow the 8192 value bytes of each page
-    p.ks = kv_bytes + 8192;
-    p.ks_page_stride = p.kv_page_stride;
+    p.ks_token_stride = ks->stride(1) * ks->element_size();
+  } else {
+    p.ks = nullptr;
+    p.ks_page_stride = p.ks_token_stride = 0;
   }
   p.block_table = block_table.data_ptr<int32_t>();
   p.bt_row_stride = block_table.stride(0);
@@ -151,9 +154,11 @@ py::dict params_layout() {
   py::dict d;
 #define CP_FIELD(S, f) d[#S "." #f] = (int64_t)offsetof(S, f)
   CP_FIELD(ScoreParams, kv); CP_FIELD(ScoreParams, ks); CP_FIELD(ScoreParams, num_pages);
+  CP_FIELD(ScoreParams, kv_token_stride); CP_FIELD(ScoreParams, fp4_lut);
+  CP_FIELD(ScoreParams, requests); CP_FIELD(ScoreParams, query_len);
   CP_FIELD(ScoreParams, q); CP_FIELD(ScoreParams, q_heads_per_src);
   CP_FIELD(ScoreParams, block_table); CP_FIELD(ScoreParams, bt_cols); CP_FIELD(ScoreParams, seq_lens);
-  CP_FIELD(ScoreParams, rows); CP_FIELD(ScoreParams, scale); CP_FIELD(ScoreParams, dst);
+  CP_FIELD(ScoreParams, scale); CP_FIELD(ScoreParams, dst);
   CP_FIELD(ScoreParams, dst_copies); CP_FIELD(ScoreParams, out_row_stride);
   CP_FIELD(ScoreParams, err); CP_FIELD(ScoreParams, err_host);
   CP_FIELD(PushState, calls); CP_FIELD(PushState, peer_q_slot); CP_FIELD(PushState, peer_q_flag);

@@ -24,6 +24,7 @@ enum ErrorCode : uint32_t {
   kErrTimeoutScores = 2,   // waited too long for a peer's scores
   kErrBadPage = 3,         // block_table held a page index outside the cache
   kErrWidth = 4,           // a row needs more blocks than width or block_table provides
+  kErrLength = 5,          // a request's seq_len is shorter than its query_len
 };
 
 // Lives in host-mapped pinned memory so the host reads it without a device sync.
@@ -52,12 +53,18 @@ struct PushState {
 };
 
 struct ScoreParams {
-  // keys: page p's values at kv + p * kv_page_stride; nvfp4 scales at ks + p * ks_page_stride
+  // keys, in bytes: token t of page p at kv + p * kv_page_stride + t * kv_token_stride; nvfp4
+  // scales of that token at ks + p * ks_page_stride + t * ks_token_stride (the product layout,
+  // vLLM's [pages, 128, 72] and the (packed, scales) pair differ only in these four numbers)
   const uint8_t* kv;
   const uint8_t* ks;
   int64_t kv_page_stride;
   int64_t ks_page_stride;
+  int64_t kv_token_stride;
+  int64_t ks_token_stride;
   int64_t num_pages;
+  // nvfp4: [256 scale bytes][8 e2m1 magnitudes] -> e4m3_rn_satfinite(magnitude * scale) bytes
+  const uint8_t* fp4_lut;
   // queries: head h of row i at q + (h / q_heads_per_src) * q_src_stride + i * q_row_stride
   //          + (h % q_heads_per_src) * 128 * elem, in bytes
   const uint8_t* q;
@@ -69,8 +76,8 @@ struct ScoreParams {
   int64_t bt_row_stride;
   int64_t bt_cols;  // a row needing more blocks than this is reported, never read past
   const int32_t* seq_lens;
-  // problem
-  int rows, width, num_heads, rank, world, init_blocks, local_blocks;
+  // problem: requests * query_len query rows, request-major; block_table/seq_lens per request
+  int requests, query_len, width, num_heads, rank, world, init_blocks, local_blocks;
   float scale;  // sm_scale, before the format's unit correction
   // output: head h, copy c -> dst[h * dst_copies + c] + row * out_row_stride + column,
   // column = j (full layout) or k = (j - rank) / world (shard layout)

@@ -20,6 +20,27 @@ from .build import load
 PHASES = {structs.ERR_TIMEOUT_QUERIES: "queries", structs.ERR_TIMEOUT_SCORES: "scores"}
 
 
+def nvfp4_lut() -> torch.Tensor:
+    """The nvfp4 key-value table the kernel decodes with: uint8 ``[256, 8]``, entry ``[s, c]``
+    the e4m3 byte of ``e4m3_rn_satfinite(e2m1(c) * e4m3(s))`` for scale byte ``s`` and e2m1
+    magnitude code ``c`` (the sign is applied by the kernel). Built from
+    :func:`cpindex.formats.e4m3_rn_satfinite`, the function the reference dequantizes with, so
+    the kernel's key values are the reference's bit for bit."""
+    scales = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = formats.e2m1_decode(torch.arange(8, dtype=torch.uint8))
+    vals = formats.e4m3_rn_satfinite(scales[:, None] * grid[None, :])
+    return vals.to(torch.float8_e4m3fn).view(torch.uint8).contiguous()
+
+
+def cache_parts(index_cache: formats.Cache) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What the binding reads keys from: ``(kv, ks)``. bf16/fp8: the cache and None. nvfp4 (any
+    layout): zero-copy views of the values ``[pages, 128, 64]`` and scales ``[pages, 128, 8]``,
+    whose page and token strides the binding passes to the kernel."""
+    if isinstance(index_cache, tuple) or index_cache.dtype == torch.uint8:
+        return formats.nvfp4_views(index_cache)
+    return index_cache, None
+
+
 class ErrorMonitor:
     """The kernel's error word: a device copy every CTA checks, and a pinned host mirror the
     host reads at every call without a sync (so checks stay cheap and graph-safe)."""
@@ -48,8 +69,13 @@ class ErrorMonitor:
             )
         if w.code == structs.ERR_WIDTH:
             raise BadBlockTableError(
-                f"rank {w.rank}: row {w.peer} needs {w.detail} blocks (seq_lens), more than "
+                f"rank {w.rank}: request {w.peer} needs {w.detail} blocks (seq_lens), more than "
                 "width or block_table's max_blocks; its scores past them are missing"
+            )
+        if w.code == structs.ERR_LENGTH:
+            raise BadBlockTableError(
+                f"rank {w.rank}: request {w.peer} has seq_lens {w.detail}, shorter than "
+                "query_len (a request's length counts its own query tokens); its scores are NaN"
             )
         phase = PHASES.get(w.code, f"code {w.code}")
         raise PeerTimeoutError(
@@ -98,23 +124,25 @@ class KernelScorer:
         self.num_heads, self.rank, self.world, self.sm_scale = num_heads, rank, world, sm_scale
         self.monitor = monitor
         self._images: dict[tuple, torch.Tensor] = {}
+        self._lut = nvfp4_lut().to(device) if fmt == "nvfp4" else None
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         self._capacity = {
             push: max(1, sms * self.mod.occupancy(self.fmt_id, push) // ranks_per_device)
             for push in (False, True)
         }
 
-    def grid(self, rows: int, width: int, push: bool) -> int:
+    def grid(self, requests: int, width: int, push: bool) -> int:
         """Persistent grid from static sizes only; push grids must all be resident at once
         (every CTA may wait for peers) and deliver queries from CTAs 0..world-1."""
-        items = rows * -(-width // self.world)
+        items = requests * -(-width // self.world)
         ctas = min(-(-items // 4), self._capacity[push])
         return max(ctas, self.world if push else 1)
 
     def params(
         self,
         *,
-        rows: int,
+        requests: int,
+        query_len: int,
         width: int,
         init_blocks: int,
         local_blocks: int,
@@ -135,7 +163,8 @@ class KernelScorer:
             q_row_stride,
             q_heads_per_src,
         )
-        p.rows, p.width, p.num_heads = rows, width, self.num_heads
+        p.requests, p.query_len, p.width, p.num_heads = requests, query_len, width, self.num_heads
+        p.fp4_lut = self._lut.data_ptr() if self._lut is not None else 0
         p.rank, p.world = self.rank, self.world
         p.init_blocks, p.local_blocks = init_blocks, local_blocks
         p.scale = self.sm_scale
@@ -160,10 +189,7 @@ class KernelScorer:
         push: torch.Tensor | None = None,
     ) -> None:
         """One kernel launch on the current stream."""
-        if isinstance(index_cache, tuple):
-            kv, ks = index_cache
-        else:
-            kv, ks = index_cache, None
+        kv, ks = cache_parts(index_cache)
         self.mod.score(q, kv, ks, block_table, seq_lens, params, push, self.fmt_id, grid)
 
     def score_local(
@@ -177,21 +203,28 @@ class KernelScorer:
         init_blocks: int,
         local_blocks: int,
         width: int,
+        query_len: int = 1,
         shard: bool = False,
         q_src_stride: int | None = None,
         q_heads_per_src: int | None = None,
     ) -> None:
         """Local mode: this rank's columns for all heads into ``out``, ``[H, rows, width]`` (or
-        ``[H, rows, ceil(width / world)]`` with ``shard=True``). ``q`` is ``[.., rows, hps,
-        128]``; by default one source holding all heads (``[rows, H, 128]``)."""
-        rows = block_table.shape[0]
+        ``[H, rows, ceil(width / world)]`` with ``shard=True``), ``rows = requests *
+        query_len``. ``q`` is ``[.., rows, hps, 128]``; by default one source holding all heads
+        (``[rows, H, 128]``)."""
+        requests = block_table.shape[0]
+        rows = requests * query_len
         hps = q_heads_per_src or self.num_heads
         cols = out.shape[-1]
-        key = (rows, width, init_blocks, local_blocks, shard, out.data_ptr(), q_src_stride, hps)
+        key = (
+            requests, query_len, width, init_blocks, local_blocks, shard, out.data_ptr(),
+            q_src_stride, hps,
+        )  # fmt: skip
         img = self._images.get(key)
         if img is None:
             img = self.params(
-                rows=rows,
+                requests=requests,
+                query_len=query_len,
                 width=width,
                 init_blocks=init_blocks,
                 local_blocks=local_blocks,
@@ -206,4 +239,4 @@ class KernelScorer:
             if len(self._images) >= 256:  # fresh output tensors each call: keep this bounded
                 self._images.clear()
             self._images[key] = img
-        self.launch(q, index_cache, block_table, seq_lens, img, self.grid(rows, width, False))
+        self.launch(q, index_cache, block_table, seq_lens, img, self.grid(requests, width, False))

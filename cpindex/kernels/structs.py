@@ -14,7 +14,7 @@ MAX_HEADS = 8
 MAX_WORLD = 16
 MAX_DST = 16
 FORMAT_IDS = {"bf16": 0, "fp8": 1, "nvfp4": 2}
-ERR_TIMEOUT_QUERIES, ERR_TIMEOUT_SCORES, ERR_BAD_PAGE, ERR_WIDTH = 1, 2, 3, 4
+ERR_TIMEOUT_QUERIES, ERR_TIMEOUT_SCORES, ERR_BAD_PAGE, ERR_WIDTH, ERR_LENGTH = 1, 2, 3, 4, 5
 
 
 class ErrorWord(C.Structure):
@@ -49,7 +49,10 @@ class ScoreParams(C.Structure):
         ("ks", C.c_void_p),
         ("kv_page_stride", C.c_int64),
         ("ks_page_stride", C.c_int64),
+        ("kv_token_stride", C.c_int64),
+        ("ks_token_stride", C.c_int64),
         ("num_pages", C.c_int64),
+        ("fp4_lut", C.c_void_p),
         ("q", C.c_void_p),
         ("q_src_stride", C.c_int64),
         ("q_row_stride", C.c_int64),
@@ -58,7 +61,8 @@ class ScoreParams(C.Structure):
         ("bt_row_stride", C.c_int64),
         ("bt_cols", C.c_int64),
         ("seq_lens", C.c_void_p),
-        ("rows", C.c_int),
+        ("requests", C.c_int),
+        ("query_len", C.c_int),
         ("width", C.c_int),
         ("num_heads", C.c_int),
         ("rank", C.c_int),

@@ -92,6 +92,7 @@ class CollectiveTransport(Transport):
                 init_blocks=call.init_blocks,
                 local_blocks=call.local_blocks,
                 width=width,
+                query_len=call.query_len,
                 shard=True,
                 q_src_stride=rows * hpr * d * q_all.element_size(),
                 q_heads_per_src=hpr,
@@ -108,6 +109,7 @@ class CollectiveTransport(Transport):
                 width=width,
                 sm_scale=cfg.sm_scale,
                 columns=cols,
+                query_len=call.query_len,
             )
 
         send = shard if self._send_heads is None else shard.index_select(0, self._send_heads)

@@ -110,17 +110,21 @@ class PushEngine:
         ps.timeout_ticks = int(cfg.timeout_s * timeout_ticks_per_s)
         self.push_image = structs.image(ps)
         self._owners = partition.head_owners(cfg.num_heads, w)
-        self._images: dict[tuple[int, int, int, int], torch.Tensor] = {}
+        self._images: dict[tuple[int, int, int, int, int], torch.Tensor] = {}
 
-    def _params(self, rows: int, width: int, init_blocks: int, local_blocks: int) -> torch.Tensor:
+    def _params(
+        self, requests: int, query_len: int, width: int, init_blocks: int, local_blocks: int
+    ) -> torch.Tensor:
         cfg, w, lay = self.ctx.config, self.ctx.world, self.layout
+        rows = requests * query_len
         dst = []
         for h, owners in enumerate(self._owners):
             for o in owners:
                 slot = partition.heads_of_rank(o, cfg.num_heads, w).index(h)
                 dst.append(self.bases[o] + lay.recv_off + slot * rows * width * 4)
         return self.scorer.params(
-            rows=rows,
+            requests=requests,
+            query_len=query_len,
             width=width,
             init_blocks=init_blocks,
             local_blocks=local_blocks,
@@ -136,7 +140,7 @@ class PushEngine:
 
     def score_push(self, call: Call) -> torch.Tensor:
         rows, width = call.rows, call.width
-        key = (rows, width, call.init_blocks, call.local_blocks)
+        key = (call.requests, call.query_len, width, call.init_blocks, call.local_blocks)
         img = self._images.get(key)
         if img is None:
             img = self._images[key] = self._params(*key)
@@ -146,7 +150,7 @@ class PushEngine:
             call.block_table,
             call.seq_lens,
             img,
-            self.scorer.grid(rows, width, push=True),
+            self.scorer.grid(call.requests, width, push=True),
             push=self.push_image,
         )
         return self.recv[: self.hpr * rows * width].view(self.hpr, rows, width)
