@@ -1,4 +1,4 @@
-"""How each row's blocks are split over ranks (SPEC section 5).
+"""How each row's blocks are split over ranks (docs/contract.md §5).
 
 Rank ``r`` of ``W`` owns logical blocks ``j = r, r + W, r + 2W, ...``: round-robin, so every
 rank holds ``n // W`` or ``n // W + 1`` of a row's ``n`` blocks, and any rank knows any other

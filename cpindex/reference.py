@@ -1,9 +1,9 @@
-"""The pure-torch oracle of SPEC section 3: every other path is tested against it.
+"""The pure-torch oracle of docs/contract.md §3: every other path is tested against it.
 
 Written to be obviously right: dequantize the pages a row uses, compute every dot product in
 float64, mask tokens at or past the row's causal length, take the max per block, then apply the
-forcing rules in the order the SPEC states them. Rows are processed in chunks so 64 rows x 32K
-tokens stays within a few hundred MB on a CPU.
+forcing rules in the contract's order. Rows are processed in chunks so 64 rows x 32K tokens
+stays within a few hundred MB on a CPU.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def block_scores(
         dots = dots.masked_fill(~valid.to(device).unsqueeze(1), float("-inf"))
         out[:, ri, ci] = (dots.amax(dim=2) * sm_scale).T.cpu()
 
-    # Forcing, in the SPEC's order: local blocks are tested first, then init blocks.
+    # Forcing, in the contract's order (§3): local blocks are tested first, then init blocks.
     init = (j < init_blocks) & (j < n)
     local = (j >= n - local_blocks) & (j < n)
     out[:, init] = FORCED_INIT

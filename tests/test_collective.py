@@ -359,9 +359,9 @@ def test_bad_page_rejected_on_every_rank_before_any_collective(page):
 
 
 PEER_TIMEOUT_GAP = (
-    "SPEC §5: a peer that never arrives must end in an error naming the rank and the call "
-    "within config.timeout_s; the collective transport never reads timeout_s (gloo waits its "
-    "own 30-minute default, the in-process world its barrier timeout) and raises no "
+    "docs/contract.md §5: a peer that never arrives must end in an error naming the rank and "
+    "the call within config.timeout_s; the collective transport never reads timeout_s (gloo "
+    "waits its own 30-minute default, the in-process world its barrier timeout) and raises no "
     "PeerTimeoutError"
 )
 

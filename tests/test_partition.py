@@ -1,4 +1,5 @@
-"""Tests for cpindex.partition: the block split over ranks and the head ownership (SPEC §5)."""
+"""Tests for cpindex.partition: the block split over ranks and the head ownership
+(docs/contract.md §5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Tests for cpindex.reference against a brute-force oracle written straight from SPEC §3."""
+"""Tests for cpindex.reference against a brute-force oracle written straight from
+docs/contract.md §3."""
 
 from __future__ import annotations
 
@@ -127,7 +128,7 @@ def test_block_scores_matches_oracle(fmt, init, local):
     got, want = _scores(prob, init, local)
     assert got.shape == (4, len(LENGTHS), 8)
     _assert_same(got, want)
-    # the forcing rules as the SPEC states them, spot-checked on the result
+    # the forcing rules as docs/contract.md §3 states them, spot-checked on the result
     n = (prob.seq_lens.long() + 127) // 128
     for i, ni in enumerate(n.tolist()):
         row = got[:, i]

@@ -1,4 +1,4 @@
-"""Triton baseline block scorer vs a pure-torch oracle (SPEC.md sections 2-3).
+"""Triton baseline block scorer vs a pure-torch oracle (docs/contract.md §2-§3).
 
 Two ways to run the kernel:
 

@@ -2,7 +2,7 @@
 
 Straightforward on purpose: one program per (block column, row), the whole 128x128 key page is
 loaded as one tile and multiplied by the (padded) query heads with ``tl.dot``. No autotuning,
-no split-K, no persistent scheduling. Semantics follow SPEC.md sections 2-3.
+no split-K, no persistent scheduling. Semantics follow docs/contract.md §2-§3.
 
 Importing this module never fails when triton is absent; calling ``triton_block_scores`` then
 raises ``RuntimeError("triton is not installed")``.

@@ -1,4 +1,4 @@
-// score.hip: the fused decode block-scoring kernel of cpindex (SPEC sections 3-5).
+// score.hip: the fused decode block-scoring kernel of cpindex (docs/contract.md, sections 3-5).
 //
 // One warp scores one (row, block) item: it streams the block's 128 keys once and produces the
 // block score for every head (the keys are read once and used H times). Items are this rank's

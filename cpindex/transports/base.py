@@ -1,6 +1,6 @@
 """The transport contract, the registry, and the one place a transport is chosen.
 
-Every transport implements ``score_push`` with the same result (SPEC section 5). Choosing is a
+Every transport implements ``score_push`` with the same result (docs/contract.md §5). Choosing is a
 collective: each rank probes every candidate locally, the reports are all-gathered, and every
 rank picks the same first candidate that all ranks can run (and whose self-test passes on all
 ranks). A rank never decides alone: ranks on different transports would deadlock.
