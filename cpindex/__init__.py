@@ -9,6 +9,7 @@ from .config import CPIndexConfig
 from .errors import (
     BadBlockTableError,
     CPIndexError,
+    OutOfStepError,
     PeerTimeoutError,
     TransportUnavailable,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "CPIndexConfig",
     "CPIndexError",
     "IndexCP",
+    "OutOfStepError",
     "PeerTimeoutError",
     "TransportUnavailable",
     "get",

@@ -23,6 +23,16 @@ class PeerTimeoutError(CPIndexError):
         self.rank, self.peer, self.call, self.phase = rank, peer, call, phase
 
 
+class OutOfStepError(CPIndexError):
+    """Ranks paired calls that are not the same call (another shape, other forcing counts, or
+    another configuration): every rank raises instead of exchanging the wrong data. The instance
+    refuses further calls until :meth:`cpindex.IndexCP.reset`."""
+
+    def __init__(self, message: str, *, rank: int, peer: int, call: int) -> None:
+        super().__init__(message)
+        self.rank, self.peer, self.call = rank, peer, call
+
+
 class BadBlockTableError(CPIndexError):
     """``block_table`` named a page outside the index cache (the score was written as NaN)."""
 
