@@ -138,3 +138,37 @@ def test_bench_bad_lists_exit_2(args):
     res = _cpindex("bench", *args, timeout=60)
     assert res.returncode == 2
     assert "expected a comma list" in res.stderr
+
+
+def test_plot_legend_says_no_cp_and_explains_score(monkeypatch):
+    """The plot's legend uses the table's names: no-CP (not 'nocp'), and says what score is.
+    matplotlib is faked: the labels are recorded, nothing is drawn."""
+    import types
+
+    from cpindex.bench import runner
+
+    labels: list[str] = []
+
+    class Anything:
+        def __getattr__(self, name):
+            return lambda *a, **k: None
+
+    class Line2D:
+        def __init__(self, *a, label="", **k):
+            labels.append(label)
+
+    mpl = types.ModuleType("matplotlib")
+    mpl.use = lambda *a, **k: None
+    mpl.pyplot = types.SimpleNamespace(subplots=lambda r, c, **k: (Anything(), [[Anything()] * c]))
+    mpl.lines = types.SimpleNamespace(Line2D=Line2D)
+    for name, mod in [("matplotlib", mpl), ("matplotlib.pyplot", mpl.pyplot),
+                      ("matplotlib.lines", mpl.lines)]:  # fmt: skip
+        monkeypatch.setitem(sys.modules, name, mod)
+    t = {"median_ms": 1.0}
+    rec = {"format": "nvfp4", "rows": 1, "context": 1024, "collective": t, "score": t, "nocp": t}
+    out = {"meta": {"device": "cpu"}, "spec": {"transports": ["collective"], "world": 2},
+           "results": [rec]}  # fmt: skip
+    runner._plot(out, "unused.png")
+    assert any(lb.startswith("no-CP") for lb in labels), labels
+    assert any(lb.startswith("score:") and "alone" in lb for lb in labels), labels
+    assert not any("nocp" in lb for lb in labels), labels
