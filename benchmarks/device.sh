@@ -114,7 +114,7 @@ cmd_bench_ab() {
 cmd_variants() {
   local args=("$@")
   [ ${#args[@]} -eq 0 ] && args=(--rows 1,32,128 shipped= regs=CP_SMEM_RING=0
-    loads=CP_MEASURE_LOADS_ONLY=1)
+    cap4=CP_MIN_CTAS=4)
   bounded 400 python3 benchmarks/kernel_variants.py --out "$OUT/variants" "${args[@]}" 2>&1 \
     | grep -v Warn
 }

@@ -119,6 +119,15 @@ def build_parser() -> argparse.ArgumentParser:
         "GPU, 2k,8k on CPU; --kernel: 8k,32k,128k,512k)",
     )
     b.add_argument(
+        "--query-len",
+        dest="query_len",
+        type=_ints,
+        metavar="LIST",
+        default=[1],
+        help="comma list of query tokens per request (speculative/MTP decode); --rows counts "
+        "requests, each scoring T rows",
+    )
+    b.add_argument(
         "--graphs",
         action=argparse.BooleanOptionalAction,
         default=True,

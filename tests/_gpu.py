@@ -22,6 +22,7 @@ def expected(prob: testing.Problem, init: int, local: int, sm_scale: float = 128
     return reference.block_scores(
         prob.q, prob.index_cache, prob.block_table, prob.seq_lens,
         init_blocks=init, local_blocks=local, width=prob.width, sm_scale=sm_scale,
+        query_len=prob.query_len,
     )  # fmt: skip
 
 

@@ -46,6 +46,82 @@ def test_kernel_matches_reference(fmt, case):
     assert_scores(got, expected(prob, init, local))
 
 
+# requests, T, heads, max_len, init, local: T * H of 1 .. 64 query vectors (1, 2 and 4 query
+# tiles, and 64 = two passes over each page); lengths equal to T; rows = max (64 * 4 = 256)
+MULTI = [
+    (5, 2, 4, 3000, 0, 1),
+    (7, 3, 2, 900, 1, 1),
+    (6, 4, 4, 4096 + 2, 0, 1),
+    (3, 4, 4, 4, 0, 1),
+    (64, 4, 4, 2000, 0, 1),
+    (4, 8, 4, 20_000, 2, 2),
+    (3, 8, 8, 5000, 0, 1),
+    (2, 5, 1, 700, 0, 0),
+]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("case", MULTI, ids=lambda c: f"r{c[0]}-T{c[1]}-H{c[2]}-len{c[3]}")
+def test_multi_token_requests_match_reference(fmt, case):
+    """One pass over a request's pages scores its T rows x H heads, each row with its own
+    causal cut (inside the last block the rows' cuts differ) and its own forcing."""
+    requests, t, heads, max_len, init, local = case
+    prob = testing.make_problem(
+        requests, max_len, fmt, query_len=t, num_heads=heads, seed=sum(case), device="cuda"
+    )
+    got = ops.block_scores(
+        prob.q, prob.index_cache, prob.block_table, prob.seq_lens,
+        init_blocks=init, local_blocks=local, width=prob.width, query_len=t,
+    )  # fmt: skip
+    assert got.shape == (heads, requests * t, prob.width)
+    assert_scores(got, expected(prob, init, local))
+
+
+def test_multi_token_short_request_is_reported():
+    prob = testing.make_problem(3, 2000, "fp8", query_len=4, seed=8, device="cuda")
+    prob.seq_lens[1] = 3  # shorter than its 4 query tokens
+    ops.block_scores(prob.q, prob.index_cache, prob.block_table, prob.seq_lens, query_len=4)
+    torch.cuda.synchronize()
+    with pytest.raises(BadBlockTableError, match="request 1 has seq_lens 3"):
+        ops.block_scores(prob.q, prob.index_cache, prob.block_table, prob.seq_lens, query_len=4)
+    ops._scorers.clear()
+
+
+def test_nvfp4_layouts_score_the_same():
+    """Product layout, vLLM's [pages, 128, 72] and the (packed, scales) pair, contiguous and as
+    strided slices of vLLM's cache: the same scores, bit for bit."""
+    prob = testing.make_problem(6, 3000, "nvfp4", query_len=2, seed=7, device="cuda")
+    v72 = formats.to_vllm_layout(prob.index_cache)
+    caches = [
+        formats.to_nvfp4_pair(prob.index_cache),
+        v72,
+        (v72[:, :, :64], v72[:, :, 64:]),
+    ]
+    args = (prob.block_table, prob.seq_lens)
+    a = ops.block_scores(prob.q, prob.index_cache, *args, query_len=2)
+    assert_scores(a, expected(prob, 0, 1))
+    for cache in caches:
+        assert torch.equal(a, ops.block_scores(prob.q, cache, *args, query_len=2))
+
+
+def test_vllm_layout_is_read_in_place():
+    """No copy of vLLM's cache: the kernel reads the tensor as it is (writing through it
+    changes the scores) and a call allocates nothing near the cache's size."""
+    prob = testing.make_problem(4, 64 * 128, "nvfp4", seed=12, device="cuda")
+    v72 = formats.to_vllm_layout(prob.index_cache)
+    args = (prob.q, v72, prob.block_table, prob.seq_lens)
+    before = ops.block_scores(*args)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    again = ops.block_scores(*args)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base < v72.numel() // 4
+    assert torch.equal(before, again)
+    v72[:, :, :64] ^= 0x11  # flip value bits in place
+    assert not torch.equal(before, ops.block_scores(*args))
+
+
 def test_nvfp4_pair_equals_product_layout():
     prob = testing.make_problem(6, 3000, "nvfp4", seed=7, device="cuda")
     pair = formats.to_nvfp4_pair(prob.index_cache)
@@ -61,26 +137,24 @@ def test_head_counts(heads):
     assert_scores(got, expected(prob, 0, 1))
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_portable_path_matches(fmt):
+@pytest.mark.parametrize("fmt", [*FORMATS, "nvfp4-vllm"])
+@pytest.mark.parametrize("t", [1, 3])
+def test_portable_path_matches(fmt, t):
     """The scalar path AMD runs (CP_PORTABLE), built and run on this GPU."""
-    prob = testing.make_problem(9, 7000, fmt, seed=11, device="cuda")
+    prob = testing.make_problem(9, 7000, fmt[:5], query_len=t, seed=11, device="cuda")
+    if fmt == "nvfp4-vllm":
+        prob.index_cache = formats.to_vllm_layout(prob.index_cache)
     dev = torch.device("cuda", torch.cuda.current_device())
     mon = launcher.ErrorMonitor(dev, 0)
     scorer = launcher.KernelScorer(
-        dev, fmt, num_heads=4, rank=0, world=1, sm_scale=128**-0.5, monitor=mon, portable=True
-    )
+        dev, fmt[:5], num_heads=4, rank=0, world=1, sm_scale=128**-0.5, monitor=mon,
+        portable=True,
+    )  # fmt: skip
     out = torch.full((4, prob.rows, prob.width), float("nan"), device="cuda")
     scorer.score_local(
-        prob.q,
-        prob.index_cache,
-        prob.block_table,
-        prob.seq_lens,
-        out,
-        init_blocks=1,
-        local_blocks=1,
-        width=prob.width,
-    )
+        prob.q, prob.index_cache, prob.block_table, prob.seq_lens, out,
+        init_blocks=1, local_blocks=1, width=prob.width, query_len=t,
+    )  # fmt: skip
     assert_scores(out, expected(prob, 1, 1))
 
 
@@ -126,7 +200,7 @@ def test_row_longer_than_width_is_reported():
     prob = testing.make_problem(2, 3000, "nvfp4", seed=4, device="cuda")
     ops.block_scores(prob.q, prob.index_cache, prob.block_table, prob.seq_lens, width=5)
     torch.cuda.synchronize()
-    with pytest.raises(BadBlockTableError, match=r"row \d needs \d+ blocks"):
+    with pytest.raises(BadBlockTableError, match=r"request \d needs \d+ blocks"):
         ops.block_scores(prob.q, prob.index_cache, prob.block_table, prob.seq_lens)
     ops._scorers.clear()
 
@@ -154,6 +228,26 @@ def test_graph_capture_replays_with_new_inputs():
         out.fill_(float("nan"))
         g.replay()
         want = testing.Problem(q, cache, bt, sl, base.width, "nvfp4")
+        assert_scores(out, expected(want, 0, 1))
+
+
+def test_graph_capture_multi_token_lengths_changed_in_place():
+    """T fixed at capture; lengths (some rows' cuts inside a block) and tables change."""
+    requests, t, max_len = 5, 4, 3000
+    base = testing.make_problem(requests, max_len, "fp8", query_len=t, seed=2, device="cuda")
+    q, bt, sl = base.q.clone(), base.block_table.clone(), base.seq_lens.clone()
+    cache = base.index_cache
+    ops.block_scores(q, cache, bt, sl, width=base.width, query_len=t)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = ops.block_scores(q, cache, bt, sl, width=base.width, query_len=t)
+    gen = torch.Generator().manual_seed(9)
+    for _ in range(4):
+        sl.copy_(testing.random_lengths(requests, max_len, gen, min_len=t).cuda())
+        out.fill_(float("nan"))
+        g.replay()
+        want = testing.Problem(q, cache, bt, sl, base.width, "fp8", t)
         assert_scores(out, expected(want, 0, 1))
 
 

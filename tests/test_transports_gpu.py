@@ -19,7 +19,7 @@ import pytest
 import torch
 from _gpu import FORMATS, assert_scores, expected, for_rank, kernel_copy, needs_gpu
 
-from cpindex import CPIndexConfig, IndexCP, PeerTimeoutError, testing
+from cpindex import CPIndexConfig, IndexCP, OutOfStepError, PeerTimeoutError, testing
 from cpindex.world import Comm, in_turn, run_threads, spawn_processes
 
 pytestmark = [needs_gpu, pytest.mark.gpu]
@@ -36,25 +36,27 @@ def _world(world: int, fn, **cfg_kw):
     return run_threads(world, body, device=DEV)
 
 
-def _problems(fmt, n, seed, num_heads=4, max_rows=32, max_len=256 * 128):
+def _problems(fmt, n, seed, num_heads=4, max_rows=32, max_len=256 * 128, query_len=1):
     gen = torch.Generator().manual_seed(seed)
     out = []
+    max_req = max_rows // query_len
     for i in range(n):
-        rows = int(torch.randint(1, max_rows + 1, (1,), generator=gen))
-        rows = [1, max_rows][i] if i < 2 else rows
-        max_len_i = int(torch.randint(1, max_len + 1, (1,), generator=gen))
+        rows = int(torch.randint(1, max_req + 1, (1,), generator=gen))
+        rows = [1, max_req][i] if i < 2 else rows
+        max_len_i = int(torch.randint(query_len, max_len + 1, (1,), generator=gen))
         p = testing.make_problem(
-            rows, max_len_i, fmt, num_heads=num_heads, seed=seed * 100 + i, device=DEV
-        )
+            rows, max_len_i, fmt, query_len=query_len, num_heads=num_heads,
+            seed=seed * 100 + i, device=DEV,
+        )  # fmt: skip
         p.width = min(256, p.width + int(torch.randint(0, 4, (1,), generator=gen)))
         out.append(p)
     return out
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("world", [2, 4])
-def test_ipc_matches_collective_and_reference(fmt, world):
-    probs = _problems(fmt, 6, seed=world)
+@pytest.mark.parametrize(("world", "t"), [(2, 1), (4, 1), (4, 4), (2, 8)])
+def test_ipc_matches_collective_and_reference(fmt, world, t):
+    probs = _problems(fmt, 6, seed=world + t, query_len=t)
     refs = [expected(p, 0, 1) for p in probs]
 
     def job(cp, comm):
@@ -65,7 +67,9 @@ def test_ipc_matches_collective_and_reference(fmt, world):
         ]
         comm.barrier()  # every rank's allocations done before the first push
         for p, q, keep in zip(probs, qs, outs, strict=True):
-            out = cp.score_push(q, p.index_cache, p.block_table, p.seq_lens, 0, 1, p.width)
+            out = cp.score_push(
+                q, p.index_cache, p.block_table, p.seq_lens, 0, 1, p.width, query_len=t
+            )
             kernel_copy(keep, out)
             out.fill_(float("nan"))  # poison: the next call must rewrite everything it returns
         return cp.transport_name, outs
@@ -245,6 +249,37 @@ def test_late_peer_times_out_names_it_and_recovers():
         else:
             assert err is not None and err[0] == 3 and err[1] == "queries", err
             assert "rank 3" in err[2] and "timed out" in err[2]
+        assert_scores(out, for_rank(ref, rank, 4))
+
+
+def test_ranks_pairing_different_calls_all_raise():
+    """Rank 2 calls with another width (same rows): the call identities carried with the
+    queries differ, so every rank raises OutOfStepError and nobody exchanges scores; reset()
+    brings the group back."""
+    probs = _problems("nvfp4", 1, seed=6, max_len=16 * 128)
+
+    def job(cp, comm):
+        p = probs[0]
+        q = p.rank_queries(comm.rank, 4)
+        width = p.width + (1 if comm.rank == 2 else 0)
+        cp.score_push(q, p.index_cache, p.block_table, p.seq_lens, 0, 1, width)
+        torch.cuda.current_stream().synchronize()
+        comm.barrier()
+        err = None
+        try:
+            cp.check()
+        except OutOfStepError as e:
+            err = str(e)
+        out = torch.empty(1, p.rows, p.width, device=DEV)
+        cp.reset()
+        kernel_copy(out, cp.score_push(q, p.index_cache, p.block_table, p.seq_lens, 0, 1, p.width))
+        torch.cuda.current_stream().synchronize()
+        return err, out
+
+    res = _world(4, job, transport="ipc", timeout_s=2.0)
+    ref = expected(probs[0], 0, 1)
+    for rank, (err, out) in enumerate(res):
+        assert err is not None and "different call" in err, (rank, err)
         assert_scores(out, for_rank(ref, rank, 4))
 
 

@@ -28,22 +28,26 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 128
 DIM = 128
 
-# (heads, seq_lens, init_blocks, local_blocks, width): ragged lengths, partial last blocks,
-# lengths shorter than init + local, width larger than needed.
+# (heads, seq_lens, init_blocks, local_blocks, width, query_len): ragged lengths, partial last
+# blocks, lengths shorter than init + local, width larger than needed, multi-token requests
+# whose rows' causal cuts fall in different blocks.
 CASES = [
-    (1, [300], 0, 1, 5),
-    (4, [1, 129, 700], 1, 1, 8),
-    (3, [128, 256], 2, 2, 4),
-    (8, [600, 50], 0, 0, 6),
-    (2, [385, 200, 130], 1, 2, 7),
+    (1, [300], 0, 1, 5, 1),
+    (4, [1, 129, 700], 1, 1, 8, 1),
+    (3, [128, 256], 2, 2, 4, 1),
+    (8, [600, 50], 0, 0, 6, 1),
+    (2, [385, 200, 130], 1, 2, 7, 1),
+    (4, [130, 4, 700], 0, 1, 6, 4),
+    (4, [257, 1000], 1, 1, 8, 8),
 ]
 
 
-def oracle(q, cache, block_table, seq_lens, init_blocks, local_blocks, width, sm_scale):
+def oracle(q, cache, block_table, seq_lens, init_blocks, local_blocks, width, sm_scale, t=1):
     rows, heads, _ = q.shape
     out = torch.full((heads, rows, width), float("-inf"), dtype=torch.float32)
     qf, kf = q.float().cpu(), cache.float().cpu()
-    bt, sl = block_table.cpu().tolist(), seq_lens.cpu().tolist()
+    bt = block_table.cpu().repeat_interleave(t, dim=0).tolist()
+    sl = (seq_lens.cpu().repeat_interleave(t) - (t - 1) + torch.arange(rows) % t).tolist()
     for i in range(rows):
         n = math.ceil(sl[i] / BLOCK)
         for j in range(min(n, width)):
@@ -58,11 +62,11 @@ def oracle(q, cache, block_table, seq_lens, init_blocks, local_blocks, width, sm
     return out
 
 
-def _make_case(heads, seq_lens, width, device, gen):
+def _make_case(heads, seq_lens, width, device, gen, t=1):
     rows = len(seq_lens)
     max_blocks = max(math.ceil(s / BLOCK) for s in seq_lens) + 1
     pages = rows * max_blocks + 3
-    q = torch.randn(rows, heads, DIM, generator=gen).to(torch.bfloat16)
+    q = torch.randn(rows * t, heads, DIM, generator=gen).to(torch.bfloat16)
     cache = torch.randn(pages, BLOCK, DIM, generator=gen).to(torch.bfloat16)
     # Distinct shuffled pages per row; the spare column points at a valid page too.
     block_table = torch.randperm(pages, generator=gen)[: rows * max_blocks]
@@ -76,21 +80,21 @@ def check_cases(device: str) -> None:
 
     gen = torch.Generator().manual_seed(0)
     sm_scale = DIM**-0.5
-    for heads, seq_lens, init_b, local_b, width in CASES:
-        q, cache, bt, sl = _make_case(heads, seq_lens, width, device, gen)
+    for heads, seq_lens, init_b, local_b, width, t in CASES:
+        q, cache, bt, sl = _make_case(heads, seq_lens, width, device, gen, t)
         got = triton_block_scores(
             q, cache, bt, sl, init_blocks=init_b, local_blocks=local_b, width=width,
-            sm_scale=sm_scale,
+            sm_scale=sm_scale, query_len=t,
         )  # fmt: skip
-        want = oracle(q, cache, bt, sl, init_b, local_b, width, sm_scale)
-        assert got.shape == (heads, len(seq_lens), width) and got.dtype == torch.float32
+        want = oracle(q, cache, bt, sl, init_b, local_b, width, sm_scale, t)
+        assert got.shape == (heads, len(seq_lens) * t, width) and got.dtype == torch.float32
         torch.testing.assert_close(got.cpu(), want, rtol=1e-3, atol=1e-3)
 
         # out= is written in place and returned.
-        out = torch.full((heads, len(seq_lens), width), 7.0, device=device)
+        out = torch.full((heads, len(seq_lens) * t, width), 7.0, device=device)
         ret = triton_block_scores(
             q, cache, bt, sl, init_blocks=init_b, local_blocks=local_b, width=width,
-            sm_scale=sm_scale, out=out,
+            sm_scale=sm_scale, out=out, query_len=t,
         )  # fmt: skip
         assert ret is out
         torch.testing.assert_close(out.cpu(), want, rtol=1e-3, atol=1e-3)

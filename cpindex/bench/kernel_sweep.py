@@ -20,16 +20,27 @@ from .timing import copy_bandwidth_gbs, synthetic_cache, synthetic_queries, time
 ROTATE_BYTES = 512 << 20  # pages touched by consecutive calls, >> the H200's 60 MB L2
 
 
-def run(formats_: list[str], rows_list: list[int], contexts: list[int], iters: int) -> dict:
+def run(
+    formats_: list[str],
+    rows_list: list[int],
+    contexts: list[int],
+    iters: int,
+    query_lens: list[int] = (1,),  # type: ignore[assignment]
+) -> dict:
+    """``rows_list`` counts requests; each scores ``T`` query rows for every ``T`` in
+    ``query_lens`` over the same pages (read once per call whatever T is)."""
     dev = torch.device("cuda", torch.cuda.current_device())
     copy_gbs = copy_bandwidth_gbs(dev)
     results = []
-    total = len(formats_) * len(rows_list) * len(contexts)
+    total = len(formats_) * len(rows_list) * len(contexts) * len(query_lens)
     try:
         from .triton_baseline import triton_block_scores
     except Exception:  # triton missing: the column stays empty
         triton_block_scores = None
-    for fmt in formats_:
+    triton_ms: dict[tuple[int, int, int], float] = {}  # (requests, context, T), from bf16 inputs
+    t1_ms: dict[tuple[str, int, int], float] = {}
+    # bf16 first: its inputs time the Triton baseline every format is compared with
+    for fmt in sorted(formats_, key=lambda f: f != "bf16"):
         for rows in rows_list:
             for ctx in contexts:
                 blocks = ctx // 128
@@ -40,49 +51,56 @@ def run(formats_: list[str], rows_list: list[int], contexts: list[int], iters: i
                 tables = torch.arange(sets * rows * blocks, device=dev, dtype=torch.int32)
                 tables = tables.view(sets, rows, blocks)
                 lens = torch.full((rows,), ctx, dtype=torch.int32, device=dev)
-                q = synthetic_queries(rows, 4, fmt, dev)
                 scanned = rows * (blocks - 1)  # the local block is forced, never read
                 nbytes = scanned * page_bytes
+                for t in query_lens:
+                    q = synthetic_queries(rows * t, 4, fmt, dev)
 
-                def call(i, q=q, cache=cache, tables=tables, lens=lens, sets=sets):
-                    return torch.ops.cpindex.block_scores(
-                        q, cache, None, tables[i % sets], lens, 0, 1, tables.shape[2], 128**-0.5
-                    )
+                    def call(i, q=q, cache=cache, tables=tables, lens=lens, sets=sets, t=t):
+                        return torch.ops.cpindex.block_scores(
+                            q, cache, None, tables[i % sets], lens, 0, 1, tables.shape[2],
+                            128**-0.5, t,
+                        )  # fmt: skip
 
-                # graph replays of 8 calls over rotating tables: no host gaps between kernels
-                ms = statistics.median(time_graph(call, 8, iters, 2))
-                row = {
-                    "format": fmt, "rows": rows, "context": ctx, "bytes": nbytes,
-                    "kernel_ms": ms, "gbs": nbytes / (ms * 1e-3) / 1e9,
-                }  # fmt: skip
-                # HBM traffic against HBM traffic: the copy's read + write, the kernel's reads
-                row["of_copy"] = row["gbs"] / copy_gbs
-                if fmt == "bf16" and triton_block_scores is not None:
-                    out = torch.empty(4, rows, blocks, device=dev)
+                    # graph replays of 8 calls over rotating tables: no host gaps between kernels
+                    ms = statistics.median(time_graph(call, 8, iters, 2))
+                    row = {
+                        "format": fmt, "rows": rows, "query_len": t, "context": ctx,
+                        "bytes": nbytes, "kernel_ms": ms, "gbs": nbytes / (ms * 1e-3) / 1e9,
+                    }  # fmt: skip
+                    # HBM traffic against HBM traffic: the copy's read + write, the kernel's reads
+                    row["of_copy"] = row["gbs"] / copy_gbs
+                    if t == 1:
+                        t1_ms[(fmt, rows, ctx)] = ms
+                    if (fmt, rows, ctx) in t1_ms:
+                        row["vs_t1"] = ms / t1_ms[(fmt, rows, ctx)]
+                    if fmt == "bf16" and triton_block_scores is not None:
+                        out = torch.empty(4, rows * t, blocks, device=dev)
 
-                    def tcall(i, q=q, cache=cache, tables=tables, lens=lens, sets=sets, out=out):
-                        triton_block_scores(
-                            q,
-                            cache,
-                            tables[i % sets],
-                            lens,
-                            init_blocks=0,
-                            local_blocks=1,
-                            width=tables.shape[2],
-                            sm_scale=128**-0.5,
-                            out=out,
+                        def tcall(i, q=q, cache=cache, tables=tables, lens=lens, sets=sets,
+                                  out=out, t=t):  # fmt: skip
+                            triton_block_scores(
+                                q, cache, tables[i % sets], lens, init_blocks=0, local_blocks=1,
+                                width=tables.shape[2], sm_scale=128**-0.5, out=out, query_len=t,
+                            )  # fmt: skip
+
+                        triton_ms[(rows, ctx, t)] = statistics.median(
+                            time_graph(tcall, 8, iters, 2)
                         )
-
-                    row["triton_ms"] = statistics.median(time_graph(tcall, 8, iters, 2))
-                    ref = call(0)
-                    tcall(0)
-                    torch.cuda.synchronize()
-                    fin = torch.isfinite(ref)
-                    row["triton_agrees"] = bool(
-                        torch.allclose(out[fin], ref[fin], rtol=1e-3, atol=1e-3)
+                        ref = call(0)
+                        tcall(0)
+                        torch.cuda.synchronize()
+                        fin = torch.isfinite(ref)
+                        row["triton_agrees"] = bool(
+                            torch.equal(fin, torch.isfinite(out))
+                            and torch.allclose(out[fin], ref[fin], rtol=1e-3, atol=1e-3)
+                        )
+                    if (rows, ctx, t) in triton_ms:
+                        row["triton_ms"] = triton_ms[(rows, ctx, t)]
+                    results.append(row)
+                    print(
+                        f"bench --kernel: {len(results)}/{total} done", file=sys.stderr, flush=True
                     )
-                results.append(row)
-                print(f"bench --kernel: {len(results)}/{total} done", file=sys.stderr, flush=True)
                 del cache, tables
                 torch.cuda.empty_cache()
     return {"copy_gbs": copy_gbs, "kernel": results}
@@ -91,12 +109,15 @@ def run(formats_: list[str], rows_list: list[int], contexts: list[int], iters: i
 LEGEND = "\n".join(
     [
         "Times: median of graph replays of 8 calls over rotating block tables (HBM, not L2).",
-        "  MiB read   index-cache bytes one call reads (every row full length, 4 heads)",
+        "  rows       requests, each full length; T: query rows per request (4 heads each)",
+        "  MiB read   index-cache bytes one call reads (once per request, whatever T is)",
         "  kernel us  one call of the fused kernel",
+        "  vs T=1     kernel us over the same requests' T = 1 call",
         "  GB/s       MiB read over kernel us",
         "  % copy     GB/s over the device-to-device copy bandwidth above (a copy reads and",
         "             writes, so a read-only kernel can pass 100 %)",
-        "  triton us  a straightforward Triton scorer on the same bf16 inputs",
+        "  triton us  a straightforward Triton scorer of the same requests and T, on bf16 inputs",
+        "             (one program per request and block: each page read once for its T rows)",
         "  speedup    triton us over kernel us (above 1: the fused kernel is faster)",
     ]
 )
@@ -104,18 +125,19 @@ LEGEND = "\n".join(
 
 def header() -> str:
     return (
-        f"{'fmt':>5} {'rows':>4} {'context':>7} {'MiB read':>9} {'kernel us':>10} "
-        f"{'GB/s':>6} {'% copy':>6} {'triton us':>10} {'speedup':>7}"
+        f"{'fmt':>5} {'rows':>4} {'T':>2} {'context':>7} {'MiB read':>9} {'kernel us':>10} "
+        f"{'GB/s':>6} {'% copy':>6} {'vs T=1':>6} {'triton us':>10} {'speedup':>7}"
     )
 
 
 def _line(r: dict) -> str:
     t = r.get("triton_ms")
     extra = f"{t * 1e3:>10.1f} {t / r['kernel_ms']:>6.2f}x" if t else f"{'':>10} {'':>7}"
+    vs = f"{r['vs_t1']:>5.2f}x" if "vs_t1" in r else f"{'':>6}"
     return (
-        f"{r['format']:>5} {r['rows']:>4} {r['context'] // 1024:>6}K "
+        f"{r['format']:>5} {r['rows']:>4} {r.get('query_len', 1):>2} {r['context'] // 1024:>6}K "
         f"{r['bytes'] / 2**20:>9.1f} {r['kernel_ms'] * 1e3:>10.1f} {r['gbs']:>6.0f} "
-        f"{100 * r['of_copy']:>5.0f}% {extra}"
+        f"{100 * r['of_copy']:>5.0f}% {vs} {extra}"
     )
 
 

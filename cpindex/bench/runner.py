@@ -51,6 +51,7 @@ def main(args: argparse.Namespace) -> dict:
             args.rows or [1, 8, 32, 128],
             args.context or [8 * K, 32 * K, 128 * K, 512 * K],
             args.iters or 20,
+            args.query_len,
         )
         print(f"device-to-device copy: {res['copy_gbs']:.0f} GB/s (read + write)")
         print(kernel_sweep.table(res))

@@ -42,51 +42,55 @@ if triton is not None:
         stride_btr,
         stride_oh,
         stride_or,
+        T: tl.constexpr,
         INIT_BLOCKS: tl.constexpr,
         LOCAL_BLOCKS: tl.constexpr,
-        HP: tl.constexpr,
+        VP: tl.constexpr,
         BLOCK_T: tl.constexpr,
         D: tl.constexpr,
         UPCAST: tl.constexpr,
     ):
         j = tl.program_id(0)  # block column
-        row = tl.program_id(1)
+        req = tl.program_id(1)  # request: its T query rows share the page, read once
 
-        offs_h = tl.arange(0, HP)
+        offs_v = tl.arange(0, VP)  # query vector v = t * H + h
         offs_t = tl.arange(0, BLOCK_T)
         offs_d = tl.arange(0, D)
-        h_mask = offs_h < H
+        v_ok = offs_v < T * H
+        head = offs_v % H
+        tok = offs_v // H
+        row = req * T + tok
 
-        seq_len = tl.load(seq_lens_ptr + row)
-        n = (seq_len + BLOCK_T - 1) // BLOCK_T
+        seq_len = tl.load(seq_lens_ptr + req)
+        n_last = (seq_len + BLOCK_T - 1) // BLOCK_T
+        len_v = seq_len - (T - 1) + tok  # each row's causal length
+        n_v = (len_v + BLOCK_T - 1) // BLOCK_T
 
-        val = tl.full([HP], float("-inf"), tl.float32)
-        if j < n:
-            if j >= n - LOCAL_BLOCKS:
-                val = tl.full([HP], 1e29, tl.float32)
-            elif j < INIT_BLOCKS:
-                val = tl.full([HP], 1e30, tl.float32)
-            else:
-                page = tl.load(bt_ptr + row.to(tl.int64) * stride_btr + j).to(tl.int64)
-                k_ptrs = cache_ptr + page * stride_cp + offs_t[:, None] * D + offs_d[None, :]
-                k = tl.load(k_ptrs)  # [BLOCK_T, D] bf16, token-major page
-                q_ptrs = (
-                    q_ptr
-                    + row.to(tl.int64) * stride_qr
-                    + offs_h[:, None] * stride_qh
-                    + offs_d[None, :]
-                )
-                q = tl.load(q_ptrs, mask=h_mask[:, None], other=0.0)  # [HP, D] bf16
-                if UPCAST:  # interpreter only: its tl.dot multiplies bf16 as raw uint16 bits
-                    q = q.to(tl.float32)
-                    k = k.to(tl.float32)
-                s = tl.dot(q, tl.trans(k))  # [HP, BLOCK_T] fp32 accumulation
-                tok_ok = (j * BLOCK_T + offs_t) < seq_len
-                s = tl.where(tok_ok[None, :], s * sm_scale, float("-inf"))
-                val = tl.max(s, axis=1)
+        val = tl.full([VP], float("-inf"), tl.float32)
+        if (j >= INIT_BLOCKS) & (j < n_last - LOCAL_BLOCKS):
+            page = tl.load(bt_ptr + req.to(tl.int64) * stride_btr + j).to(tl.int64)
+            k_ptrs = cache_ptr + page * stride_cp + offs_t[:, None] * D + offs_d[None, :]
+            k = tl.load(k_ptrs)  # [BLOCK_T, D] bf16, token-major page
+            q_ptrs = (
+                q_ptr
+                + row.to(tl.int64)[:, None] * stride_qr
+                + head[:, None] * stride_qh
+                + offs_d[None, :]
+            )
+            q = tl.load(q_ptrs, mask=v_ok[:, None], other=0.0)  # [VP, D] bf16
+            if UPCAST:  # interpreter only: its tl.dot multiplies bf16 as raw uint16 bits
+                q = q.to(tl.float32)
+                k = k.to(tl.float32)
+            s = tl.dot(q, tl.trans(k))  # [VP, BLOCK_T] fp32 accumulation
+            tok_ok = (j * BLOCK_T + offs_t)[None, :] < len_v[:, None]
+            s = tl.where(tok_ok, s * sm_scale, float("-inf"))
+            val = tl.max(s, axis=1)
+        val = tl.where(j < INIT_BLOCKS, 1e30, val)
+        val = tl.where(j >= n_v - LOCAL_BLOCKS, 1e29, val)
+        val = tl.where(j >= n_v, float("-inf"), val)
 
-        out_ptrs = out_ptr + offs_h.to(tl.int64) * stride_oh + row.to(tl.int64) * stride_or + j
-        tl.store(out_ptrs, val, mask=h_mask)
+        out_ptrs = out_ptr + head.to(tl.int64) * stride_oh + row.to(tl.int64) * stride_or + j
+        tl.store(out_ptrs, val, mask=v_ok)
 
     # Under TRITON_INTERPRET=1 (set before this module is imported) triton.jit returns an
     # InterpretedFunction. Triton 3.9's interpreter runs tl.dot on bf16 operands as np.matmul of
@@ -105,12 +109,15 @@ def triton_block_scores(
     width: int,
     sm_scale: float,
     out: torch.Tensor | None = None,
+    query_len: int = 1,
 ) -> torch.Tensor:
     """Score every 128-token block of every row; returns float32 ``[H, rows, width]``.
 
-    q: bf16 ``[rows, H, 128]`` (``[rows, 128]`` is taken as H = 1); cache: bf16
-    ``[pages, 128, 128]`` token-major; block_table: int32 ``[rows, max_blocks]``;
-    seq_lens: int32 ``[rows]``. Never reads ``seq_lens`` on the host (graph-capturable).
+    q: bf16 ``[requests * query_len, H, 128]`` (``[rows, 128]`` is taken as H = 1), request-
+    major; cache: bf16 ``[pages, 128, 128]`` token-major; block_table: int32
+    ``[requests, max_blocks]``; seq_lens: int32 ``[requests]`` (through each request's last
+    query token). One program per (block, request) reads the page once for all
+    ``query_len * H`` query vectors. Never reads ``seq_lens`` on the host (graph-capturable).
     """
     if triton is None:
         raise RuntimeError("triton is not installed")
@@ -121,14 +128,17 @@ def triton_block_scores(
     rows, heads, _ = q.shape
     if not 1 <= heads <= 8:
         raise ValueError(f"H must be in 1..8, got {heads}")
+    if query_len < 1 or rows % query_len:
+        raise ValueError(f"q rows ({rows}) must be requests * query_len ({query_len})")
+    requests = rows // query_len
     if q.dtype != torch.bfloat16 or cache.dtype != torch.bfloat16:
         raise TypeError(f"q and cache must be bf16, got {q.dtype} / {cache.dtype}")
     if cache.dim() != 3 or tuple(cache.shape[1:]) != (BLOCK, DIM):
         raise ValueError(f"cache must be [pages, {BLOCK}, {DIM}], got {tuple(cache.shape)}")
     if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
         raise TypeError("block_table and seq_lens must be int32")
-    if block_table.dim() != 2 or block_table.shape[0] != rows or seq_lens.shape != (rows,):
-        raise ValueError("block_table must be [rows, max_blocks] and seq_lens [rows]")
+    if block_table.dim() != 2 or block_table.shape[0] != requests or seq_lens.shape != (requests,):
+        raise ValueError("block_table must be [requests, max_blocks] and seq_lens [requests]")
     if width < 1:
         raise ValueError(f"width must be >= 1, got {width}")
 
@@ -148,8 +158,8 @@ def triton_block_scores(
     if rows == 0:
         return out
 
-    hp = max(16, triton.next_power_of_2(heads))  # tl.dot needs M >= 16
-    _block_scores_kernel[(width, rows)](
+    vp = max(16, triton.next_power_of_2(heads * query_len))  # tl.dot needs M >= 16
+    _block_scores_kernel[(width, requests)](
         q,
         cache,
         block_table,
@@ -163,9 +173,10 @@ def triton_block_scores(
         block_table.stride(0),
         out.stride(0),
         out.stride(1),
+        T=int(query_len),
         INIT_BLOCKS=int(init_blocks),
         LOCAL_BLOCKS=int(local_blocks),
-        HP=hp,
+        VP=vp,
         BLOCK_T=BLOCK,
         D=DIM,
         UPCAST=_INTERPRETED,

@@ -76,9 +76,9 @@ void score(const torch::Tensor& q, const torch::Tensor& kv, const c10::optional<
               cudaGetErrorString(static_cast<cudaError_t>(rc)));
 }
 
-int64_t occupancy(int64_t format, bool push) {
+int64_t occupancy(int64_t format, int64_t vectors) {
   int ctas = 0;
-  CP_CHECK_RT(static_cast<cudaError_t>(cpindex::score_occupancy((int)format, push, &ctas)));
+  CP_CHECK_RT(static_cast<cudaError_t>(cpindex::score_occupancy((int)format, (int)vectors, &ctas)));
   return ctas;
 }
 
@@ -163,6 +163,7 @@ py::dict params_layout() {
   CP_FIELD(ScoreParams, err); CP_FIELD(ScoreParams, err_host);
   CP_FIELD(PushState, calls); CP_FIELD(PushState, peer_q_slot); CP_FIELD(PushState, peer_q_flag);
   CP_FIELD(PushState, peer_s_flag); CP_FIELD(PushState, q_src); CP_FIELD(PushState, q_bytes);
+  CP_FIELD(PushState, peer_q_ident); CP_FIELD(PushState, q_idents); CP_FIELD(ScoreParams, ident);
   CP_FIELD(PushState, timeout_ticks);
 #undef CP_FIELD
   d["sizeof.ScoreParams"] = (int64_t)sizeof(ScoreParams);

@@ -30,9 +30,13 @@ typedef uint32_t cp_lanemask_t;
 
 // The tensor-core path (mma.sync m16n8k16, sm_80+) is CUDA only. The portable path computes the
 // same fragments with scalar fp32 FMAs; -DCP_PORTABLE=1 forces it on CUDA so the code AMD runs is
-// exercised on the H200 too.
-#if defined(CP_CUDA) && !defined(CP_PORTABLE) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+// exercised on the H200 too. The choice must not depend on __CUDA_ARCH__: the host pass and the
+// device pass have to agree on which kernel templates exist.
+#if defined(CP_CUDA) && !defined(CP_PORTABLE)
 #define CP_USE_MMA 1
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#error "cpindex's tensor-core path needs sm_80 or newer (build with -DCP_PORTABLE=1 for older GPUs)"
+#endif
 #else
 #define CP_USE_MMA 0
 #endif
@@ -225,20 +229,31 @@ CP_DEVICE uint32_t cp_e4m3x2_to_f16x2(uint32_t two_bytes) {
 }
 #endif
 
-// Eight e2m1 nibbles (one word, element 0 in the low nibble) -> four f16x2 words holding
-// elements (0,4), (2,6), (1,5), (3,7), each value * 2^-14. Every nibble's f16 high byte (sign at
-// bit 7, the 3 magnitude bits at bits 1..3) is built in place, four nibbles at once; one byte
-// permute against zero then places a pair with its low bytes cleared. That maps every e2m1
-// value, the subnormal 0.5 included, to value * 2^-14 exactly, in 11 integer ops per 8 values.
-// (Pairing elements 4 apart rather than neighbours saves a mask per pair; the query side pairs
-// its values the same way, see Fmt<kNVFP4>::elem in score.hip.)
-#define CP_FP4_UNIT (1.0f / 16384.0f)
-CP_DEVICE void cp_e2m1x8_to_f16x2x4(uint32_t w, uint32_t (&out)[4]) {
-  const uint32_t even = ((w << 1) & 0x0e0e0e0eu) | ((w << 4) & 0x80808080u);  // elements 0,2,4,6
-  const uint32_t odd = ((w >> 3) & 0x0e0e0e0eu) | (w & 0x80808080u);          // elements 1,3,5,7
-  // A selector nibble of 4 picks byte 0 of the zero operand.
-  out[0] = __byte_perm(even, 0u, 0x2404u);  // bytes 0 and 2 of even: elements 0, 4
-  out[1] = __byte_perm(even, 0u, 0x3414u);  // bytes 1 and 3: elements 2, 6
-  out[2] = __byte_perm(odd, 0u, 0x2404u);   // elements 1, 5
-  out[3] = __byte_perm(odd, 0u, 0x3414u);   // elements 3, 7
+// Eight e2m1 nibbles (one word, element 0 in the low nibble) -> eight e4m3 bytes, through a
+// per-scale table: lut_lo/lut_hi hold e4m3_rn_satfinite(e2m1 magnitude m * scale) for m = 0..7
+// (bytes 0..7). One byte permute looks up four magnitudes at once; the nibbles' sign bits are
+// gathered to each byte's bit 7 by two more permutes and XORed in (a negative scale's entries
+// carry their own sign, so signs combine like the product's). out[0]: elements 0-3, out[1]: 4-7.
+// Selector nibbles keep bit 3 clear: PTX prmt would read it as "replicate the sign", HIP not.
+CP_DEVICE void cp_e2m1x8_lut_e4m3(uint32_t w, uint32_t lut_lo, uint32_t lut_hi, uint32_t (&out)[2]) {
+  const uint32_t mag = w & 0x77777777u;
+  const uint32_t shifted = w << 4;  // even elements' sign bits at each byte's bit 7
+  const uint32_t sign_lo = __byte_perm(shifted, w, 0x5140u) & 0x80808080u;  // elements 0..3
+  const uint32_t sign_hi = __byte_perm(shifted, w, 0x7362u) & 0x80808080u;  // elements 4..7
+  out[0] = __byte_perm(lut_lo, lut_hi, mag) ^ sign_lo;
+  out[1] = __byte_perm(lut_lo, lut_hi, mag >> 16) ^ sign_hi;
+}
+
+// 8 bytes, read once, no reuse (nvfp4 tokens whose stride is not a multiple of 16, e.g. vLLM's
+// 72-byte layout, are only 8-byte aligned).
+CP_DEVICE uint2 cp_load_stream8(const void* p) {
+#if defined(CP_HIP)
+  typedef uint32_t u32x2 __attribute__((ext_vector_type(2)));
+  const u32x2 v = __builtin_nontemporal_load(reinterpret_cast<const u32x2*>(p));
+  return make_uint2(v.x, v.y);
+#else
+  uint2 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+#endif
 }

@@ -25,6 +25,7 @@ enum ErrorCode : uint32_t {
   kErrBadPage = 3,         // block_table held a page index outside the cache
   kErrWidth = 4,           // a row needs more blocks than width or block_table provides
   kErrLength = 5,          // a request's seq_len is shorter than its query_len
+  kErrMismatch = 6,        // a peer's call is not this call (shape, forcing or configuration)
 };
 
 // Lives in host-mapped pinned memory so the host reads it without a device sync.
@@ -47,6 +48,8 @@ struct PushState {
   uint8_t* peer_q_slot[kMaxWorld];    // where my query rows go in rank p's query buffer
   uint64_t* peer_q_flag[kMaxWorld];   // &q_flags[my rank] on rank p
   uint64_t* peer_s_flag[kMaxWorld];   // &s_flags[my rank] on rank p
+  uint64_t* peer_q_ident[kMaxWorld];  // &q_idents[my rank] on rank p: my call's identity
+  const uint64_t* q_idents;           // local, [world]: identity of each rank's delivered call
   const uint8_t* q_src;               // my query rows, [rows, q_src_bytes_per_row] contiguous
   int64_t q_bytes;                    // rows * heads_per_rank * 128 * elem size
   uint64_t timeout_ticks;
@@ -85,17 +88,20 @@ struct ScoreParams {
   int dst_copies;
   int shard_columns;
   int64_t out_row_stride;
+  uint64_t ident;       // push mode: this call's identity (shape, forcing, config); all ranks equal
   ErrorWord* err;       // device memory: checked by every CTA at start
   ErrorWord* err_host;  // host-mapped mirror the host polls without a sync (may be null)
 };
 
 // Launches one scoring call. push == nullptr: local mode (scores into dst, no handshake).
-// Otherwise push mode: deliver queries, wait for peers', score, push, signal, wait.
+// Otherwise push mode: deliver queries and the call identity, wait for peers' (and compare
+// identities), score, push, signal, wait.
 // Returns 0 or a cudaError_t/hipError_t value.
 int launch_score(const ScoreParams& p, const PushState* push, int format, int grid,
                  void* stream);
 
-// CTAs per SM the kernel reaches (for the persistent-grid cap).
-int score_occupancy(int format, bool push, int* ctas_per_sm);
+// CTAs per SM the kernel for `vectors` = query_len * num_heads query vectors reaches (for the
+// persistent-grid cap).
+int score_occupancy(int format, int vectors, int* ctas_per_sm);
 
 }  // namespace cpindex

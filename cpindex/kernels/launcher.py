@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import formats
-from ..errors import BadBlockTableError, PeerTimeoutError
+from ..errors import BadBlockTableError, OutOfStepError, PeerTimeoutError
 from . import structs
 from .build import load
 
@@ -77,6 +77,16 @@ class ErrorMonitor:
                 f"rank {w.rank}: request {w.peer} has seq_lens {w.detail}, shorter than "
                 "query_len (a request's length counts its own query tokens); its scores are NaN"
             )
+        if w.code == structs.ERR_MISMATCH:
+            raise OutOfStepError(
+                f"rank {w.rank}: call {w.call} paired with a different call on rank {w.peer} "
+                f"(call identity {w.detail:#018x} there): the ranks called with other shapes, "
+                "forcing counts or configurations, or one skipped a call. Nothing was exchanged; "
+                "reset() to go on.",
+                rank=w.rank,
+                peer=w.peer,
+                call=w.call,
+            )
         phase = PHASES.get(w.code, f"code {w.code}")
         raise PeerTimeoutError(
             f"rank {w.rank}: call {w.call} timed out waiting for rank {w.peer}'s {phase} "
@@ -125,17 +135,20 @@ class KernelScorer:
         self.monitor = monitor
         self._images: dict[tuple, torch.Tensor] = {}
         self._lut = nvfp4_lut().to(device) if fmt == "nvfp4" else None
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        self._capacity = {
-            push: max(1, sms * self.mod.occupancy(self.fmt_id, push) // ranks_per_device)
-            for push in (False, True)
-        }
+        self._sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self._ranks_per_device = ranks_per_device
+        self._capacity: dict[int, int] = {}
 
-    def grid(self, requests: int, width: int, push: bool) -> int:
+    def grid(self, requests: int, width: int, push: bool, query_len: int = 1) -> int:
         """Persistent grid from static sizes only; push grids must all be resident at once
         (every CTA may wait for peers) and deliver queries from CTAs 0..world-1."""
+        vectors = query_len * self.num_heads
+        cap = self._capacity.get(vectors)
+        if cap is None:  # the kernel instance (query tiles) depends on T * H
+            per_sm = self.mod.occupancy(self.fmt_id, vectors)
+            cap = self._capacity[vectors] = max(1, self._sms * per_sm // self._ranks_per_device)
         items = requests * -(-width // self.world)
-        ctas = min(-(-items // 4), self._capacity[push])
+        ctas = min(-(-items // 4), cap)
         return max(ctas, self.world if push else 1)
 
     def params(
@@ -154,6 +167,7 @@ class KernelScorer:
         dst_copies: int,
         shard_columns: bool,
         out_row_stride: int,
+        ident: int = 0,
     ) -> torch.Tensor:
         """A ScoreParams image (pointers to keys, table and lengths are patched per call)."""
         p = structs.ScoreParams()
@@ -175,6 +189,7 @@ class KernelScorer:
             int(shard_columns),
             out_row_stride,
         )
+        p.ident = ident
         p.err, p.err_host = self.monitor.device_ptr, self.monitor.host_device_ptr
         return structs.image(p)
 
@@ -239,4 +254,5 @@ class KernelScorer:
             if len(self._images) >= 256:  # fresh output tensors each call: keep this bounded
                 self._images.clear()
             self._images[key] = img
-        self.launch(q, index_cache, block_table, seq_lens, img, self.grid(requests, width, False))
+        grid = self.grid(requests, width, False, query_len)
+        self.launch(q, index_cache, block_table, seq_lens, img, grid)

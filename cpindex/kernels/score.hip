@@ -1,14 +1,17 @@
-// score.hip: the fused decode block-scoring kernel of cpindex (docs/contract.md, sections 3-5).
+// score.hip: the fused decode block-scoring kernel of cpindex (docs/contract.md, docs/kernel.md).
 //
-// One warp scores one (row, block) item: it streams the block's 128 keys once and produces the
-// block score for every head (the keys are read once and used H times). Items are this rank's
-// round-robin share of each row's blocks (j = rank + k * world), spread over a persistent grid.
+// One warp scores one (request, block) item: it streams the block's 128 keys once and produces
+// the block score of every query vector of the request, T query tokens x H heads (the keys are
+// read once and used T * H times). Items are this rank's round-robin share of each request's
+// blocks (j = rank + k * world), spread over a persistent grid.
 //
-// Local mode writes [heads, rows, width] (or this rank's [heads, rows, ceil(width/world)] shard).
-// Push mode adds the exchange inside the same launch:
-//   1. CTA b < world copies this rank's query rows into rank (rank+b)%world's query buffer and
-//      raises its flag to the call count (release, system scope);
-//   2. every CTA waits (acquire, bounded) until all ranks' queries for this call have arrived;
+// Local mode writes [heads, rows, width] (or this rank's [heads, rows, ceil(width/world)]
+// shard), rows = requests * T. Push mode adds the exchange inside the same launch:
+//   1. CTA b < world copies this rank's query rows into rank (rank+b)%world's query buffer,
+//      stores this call's identity beside them and raises its flag to the call count (release,
+//      system scope);
+//   2. every CTA waits (acquire, bounded) until all ranks' queries for this call have arrived and
+//      checks that every rank's call identity equals its own (shape, forcing, config);
 //   3. scores of head h go straight into the receive buffer of each rank that owns h;
 //   4. the last CTA to finish raises this rank's score flag on every peer, waits for every
 //      peer's score flag here, then advances the device-side call count.
@@ -18,26 +21,20 @@
 
 // Measurement switches: `python benchmarks/kernel_variants.py` builds variants through
 // CPINDEX_KERNEL_DEFINES and times them side by side. The defaults are what ships.
-#ifndef CP_META_PREFETCH  // 1: read the next item's length and page while scoring this one
-#define CP_META_PREFETCH 0
-#endif
 #ifndef CP_SMEM_RING  // bytes per warp of the bf16/fp8 cp.async ring (sm_80+; 0: registers)
 #define CP_SMEM_RING 8192
 #endif
-#ifndef CP_BF16_BATCH  // bf16 tiles loaded before their math
+#ifndef CP_BF16_BATCH  // bf16 tiles loaded before their math (register path)
 #define CP_BF16_BATCH 2
 #endif
-#ifndef CP_NVFP4_BATCH  // nvfp4 tiles loaded before their math
+#ifndef CP_NVFP4_BATCH  // nvfp4 tiles loaded before their math, for one query tile
 #define CP_NVFP4_BATCH 8
-#endif
-#ifndef CP_MEASURE_LOADS_ONLY  // 1: the register path reads pages but skips the math (wrong
-#define CP_MEASURE_LOADS_ONLY 0  // scores; a ceiling). It turns the ring off.
 #endif
 // With a ring, bf16/fp8 tiles go global -> shared by cp.async (each instruction reads 512
 // contiguous bytes, and loads stay in flight during the math) and reach the mma through ldmatrix.
 // A format whose ring would hold fewer than two 16-token tiles stays on registers; nvfp4 always
-// does (its loads read 512 contiguous bytes already).
-#define CP_SMEM_ON (CP_USE_MMA && CP_SMEM_RING > 0 && !CP_MEASURE_LOADS_ONLY)
+// does (its loads read 512 contiguous bytes already in the product layout).
+#define CP_SMEM_ON (CP_USE_MMA && CP_SMEM_RING > 0)
 #define CP_RING_BF16 (CP_SMEM_ON && CP_SMEM_RING >= 2 * 16 * 256)
 #define CP_RING_FP8 (CP_SMEM_ON && CP_SMEM_RING >= 2 * 16 * 128)
 
@@ -48,6 +45,7 @@ constexpr int kThreads = kWarpsPerCta * CP_WARP;
 constexpr int kGroups = CP_WARP / 4;             // lane groups of 4; group g holds tokens g, g+kGroups
 constexpr int kTileTokens = 2 * kGroups;         // tokens per tile
 constexpr int kTilesPerPage = kPageTokens / kTileTokens;
+constexpr int kVecsPerTile = 8;                  // query vectors per mma n-tile (and per portable pass)
 constexpr float kForcedLocal = 1e29f;
 constexpr float kForcedInit = 1e30f;
 
@@ -55,18 +53,16 @@ constexpr float kForcedInit = 1e30f;
 // Each lane c (= lane % 4) of a group owns 32 of a token's 128 dims, as 16 packed 16-bit pairs
 // k[m] = (v[8q + elem(b, 0)], v[8q + elem(b, 1)]) with q = m / 4, b = m % 4, and
 // v[8q + e] = dim (dim_base(c, q) + e). The query is paired the same way, so any pairing works.
-// Loads are 16 bytes wide; the four lanes of a group read 64 contiguous bytes per instruction.
 template <int F>
 struct Fmt;
 
 template <>
 struct Fmt<kBF16> {
   static constexpr int kLoads = 4;  // 16-byte loads per token per lane
-  static constexpr int kBatch = CP_BF16_BATCH;  // tiles loaded before their math (registers)
+  static constexpr int kBatch = CP_BF16_BATCH;
   static constexpr bool kRing = CP_RING_BF16;
   static constexpr int kTokenBytes = 256;
   static constexpr bool kBf16 = true;
-  static constexpr float kUnit = 1.0f;
   CP_DEVICE static int load_offset(int c, int l) { return 16 * (c + 4 * l); }
 #if CP_RING_BF16  // ldmatrix gives lane c dims 2c, 2c+1 of every 8 (k-step s: pairs 2s, 2s+1)
   CP_DEVICE static int dim_base(int c, int q) { return 32 * q + 2 * c; }
@@ -84,7 +80,6 @@ struct Fmt<kFP8> {
   static constexpr bool kRing = CP_RING_FP8;
   static constexpr int kTokenBytes = 128;
   static constexpr bool kBf16 = false;
-  static constexpr float kUnit = 1.0f;
   CP_DEVICE static int load_offset(int c, int l) { return 16 * (c + 4 * l); }
 #if CP_RING_FP8  // ldmatrix gives lane c bytes 4c..4c+3 of every 16
   CP_DEVICE static int dim_base(int c, int q) { return 32 * q + 4 * c; }
@@ -95,18 +90,19 @@ struct Fmt<kFP8> {
 #endif
 };
 
+// nvfp4: lane c reads its token's 16 value bytes 16c..16c+15 (dims 32c..32c+31: word q holds
+// dims 32c+8q..+7) and the token's scale bytes 2c, 2c+1 (groups of words 0-1 and 2-3). Values
+// become e4m3 bytes through the per-scale table (e4m3_rn_satfinite(e2m1 * scale)), then f16.
 template <>
 struct Fmt<kNVFP4> {
   static constexpr int kLoads = 1;
   static constexpr int kBatch = CP_NVFP4_BATCH;
   static constexpr bool kRing = false;
-  static constexpr int kTokenBytes = 64;
+  static constexpr int kTokenBytes = 64;  // value bytes of a token (its stride may be larger)
   static constexpr bool kBf16 = false;
-  static constexpr float kUnit = CP_FP4_UNIT;  // e2m1 values arrive scaled by 2^-14
   CP_DEVICE static int load_offset(int c, int) { return 16 * c; }
   CP_DEVICE static int dim_base(int c, int q) { return 32 * c + 8 * q; }
-  // cp_e2m1x8_to_f16x2x4's pairs: (0,4), (2,6), (1,5), (3,7)
-  CP_DEVICE static int elem(int b, int half) { return 2 * (b & 1) + (b >> 1) + 4 * half; }
+  CP_DEVICE static int elem(int b, int half) { return 2 * b + half; }
 };
 
 // The register path's shape: a group's 4 lanes read one token's bytes; batches tile a page (a
@@ -125,23 +121,35 @@ struct TileRegs {
 };
 
 template <int F>
-CP_DEVICE void load_tile(TileRegs<F>& t, const uint8_t* page, const uint8_t* scale_page, int tile,
-                         int g, int c) {
+CP_DEVICE void load_tile(const ScoreParams& p, TileRegs<F>& t, const uint8_t* page,
+                         const uint8_t* scale_page, int tile, int g, int c) {
 #pragma unroll
   for (int s = 0; s < 2; ++s) {
     const int tok = tile * kTileTokens + g + s * kGroups;
-    const uint8_t* row = page + tok * Fmt<F>::kTokenBytes;
+    if constexpr (F == kNVFP4) {
+      const uint8_t* src = page + tok * p.kv_token_stride + 16 * c;
+      if (p.kv_token_stride % 16 == 0) {
+        t.raw[s][0] = cp_load_stream16(src);
+      } else {  // vLLM's 72-byte tokens: 8-byte aligned
+        const uint2 a = cp_load_stream8(src), b = cp_load_stream8(src + 8);
+        t.raw[s][0] = make_uint4(a.x, a.y, b.x, b.y);
+      }
+      t.scales[s] = *reinterpret_cast<const uint16_t*>(scale_page + tok * p.ks_token_stride + 2 * c);
+    } else {
+      const uint8_t* row = page + tok * Fmt<F>::kTokenBytes;
 #pragma unroll
-    for (int l = 0; l < Fmt<F>::kLoads; ++l) t.raw[s][l] = cp_load_stream16(row + Fmt<F>::load_offset(c, l));
-    if constexpr (F == kNVFP4) t.scales[s] = *reinterpret_cast<const uint16_t*>(scale_page + tok * 8 + 2 * c);
+      for (int l = 0; l < Fmt<F>::kLoads; ++l)
+        t.raw[s][l] = cp_load_stream16(row + Fmt<F>::load_offset(c, l));
+    }
   }
 }
 
 CP_DEVICE uint32_t word(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 
-// Token s of a loaded tile as 16 packed pairs (bf16x2 for bf16, f16x2 otherwise).
+// Token s of a loaded tile as 16 packed pairs (bf16x2 for bf16, f16x2 otherwise). For nvfp4,
+// lut is the CTA's table: entry s holds the 8 e4m3 magnitudes of scale byte s.
 template <int F>
-CP_DEVICE void unpack(const TileRegs<F>& t, int s, uint32_t (&k)[16]) {
+CP_DEVICE void unpack(const TileRegs<F>& t, int s, const uint2* lut, uint32_t (&k)[16]) {
   if constexpr (F == kBF16) {
 #pragma unroll
     for (int l = 0; l < 4; ++l)
@@ -157,26 +165,35 @@ CP_DEVICE void unpack(const TileRegs<F>& t, int s, uint32_t (&k)[16]) {
         k[8 * l + 2 * i + 1] = cp_e4m3x2_to_f16x2(w >> 16);
       }
   } else {
-    const uint32_t sc = cp_e4m3x2_to_f16x2(t.scales[s]);
-    const uint32_t s0 = (sc & 0xffffu) * 0x10001u, s1 = (sc >> 16) * 0x10001u;
+    const uint2 tab[2] = {lut[t.scales[s] & 0xffu], lut[t.scales[s] >> 8]};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      uint32_t pairs[4];
-      cp_e2m1x8_to_f16x2x4(word(t.raw[s][0], i), pairs);
+      uint32_t e4m3[2];
+      cp_e2m1x8_lut_e4m3(word(t.raw[s][0], i), tab[i >> 1].x, tab[i >> 1].y, e4m3);
 #pragma unroll
-      for (int b = 0; b < 4; ++b) k[4 * i + b] = cp_hmul2(pairs[b], i < 2 ? s0 : s1);  // 0..15: scale 0
+      for (int b = 0; b < 4; ++b)
+        k[4 * i + b] = cp_e4m3x2_to_f16x2(b & 1 ? e4m3[b >> 1] >> 16 : e4m3[b >> 1] & 0xffffu);
     }
   }
 }
 
-// Loads head h's query values for this lane's dims as 16 packed pairs (zeros past num_heads).
+// The query vectors of one item: vector v = t * H + h (token t of the request, head h).
+struct Vecs {
+  int count;      // T * H
+  int heads;      // H
+  int query_len;  // T
+};
+
+// Loads vector v's query values for this lane's dims as 16 packed pairs (zeros past the end).
 template <int F>
-CP_DEVICE void load_query_pairs(const ScoreParams& p, int row, int h, int c, uint32_t (&qf)[16]) {
-  if (h >= p.num_heads) {
+CP_DEVICE void load_query_pairs(const ScoreParams& p, const Vecs& vs, int req, int v, int c,
+                                uint32_t (&qf)[16]) {
+  if (v >= vs.count) {
 #pragma unroll
     for (int m = 0; m < 16; ++m) qf[m] = 0u;
     return;
   }
+  const int h = v % vs.heads, row = req * vs.query_len + v / vs.heads;
   const int elem = Fmt<F>::kBf16 ? 2 : 1;
   const uint8_t* base = p.q + (int64_t)(h / p.q_heads_per_src) * p.q_src_stride +
                         (int64_t)row * p.q_row_stride + (h % p.q_heads_per_src) * kHeadDim * elem;
@@ -192,14 +209,14 @@ CP_DEVICE void load_query_pairs(const ScoreParams& p, int row, int h, int c, uin
     for (int q = 0; q < 4; ++q) {
       const uint8_t* src = base + Fmt<F>::dim_base(c, q) * elem;
       if constexpr (Fmt<F>::kBf16) {
-        const uint4 v = *reinterpret_cast<const uint4*>(src);
-        qf[4 * q] = v.x, qf[4 * q + 1] = v.y, qf[4 * q + 2] = v.z, qf[4 * q + 3] = v.w;
+        const uint4 v4 = *reinterpret_cast<const uint4*>(src);
+        qf[4 * q] = v4.x, qf[4 * q + 1] = v4.y, qf[4 * q + 2] = v4.z, qf[4 * q + 3] = v4.w;
       } else {
-        const uint2 v = *reinterpret_cast<const uint2*>(src);
+        const uint2 v2 = *reinterpret_cast<const uint2*>(src);
 #pragma unroll
-        for (int b = 0; b < 4; ++b)  // the keys' pairing (once per row: cost is immaterial)
+        for (int b = 0; b < 4; ++b)  // the keys' pairing (once per item: cost is immaterial)
           qf[4 * q + b] = cp_e4m3x2_to_f16x2(
-              __byte_perm(v.x, v.y, Fmt<F>::elem(b, 0) | (Fmt<F>::elem(b, 1) << 4)) & 0xffffu);
+              __byte_perm(v2.x, v2.y, Fmt<F>::elem(b, 0) | (Fmt<F>::elem(b, 1) << 4)) & 0xffffu);
       }
     }
   }
@@ -211,16 +228,20 @@ template <bool kBf16>
 CP_DEVICE float hi(uint32_t w) { return kBf16 ? cp_bf16_hi(w) : cp_f16_hi(w); }
 
 // ---- the dot primitive -------------------------------------------------------------------------
-// acc = dots of tokens (g, g + kGroups) with heads (2c, 2c + 1), in the mma C-fragment layout:
-// acc[0], acc[1] for token g; acc[2], acc[3] for token g + kGroups.
+// acc[u] = dots of tokens (g, g + kGroups) with vectors (8u + 2c, 8u + 2c + 1) of the pass, in the
+// mma C-fragment layout: acc[u][0], acc[u][1] for token g; acc[u][2], acc[u][3] for g + kGroups.
+// A pass covers NT n-tiles of 8 vectors (tensor cores) or 8 vectors (portable path, NT = 1).
 #if CP_USE_MMA
+template <int NT>
 struct QueryFrag {
-  uint32_t pairs[16];  // head g's values at this lane's dims
+  uint32_t pairs[NT][16];  // vector 8u + g's values at this lane's dims
 };
 
-template <int F>
-CP_DEVICE void prepare_query(const ScoreParams& p, int row, int g, int c, QueryFrag& q, float*) {
-  load_query_pairs<F>(p, row, g, c, q.pairs);
+template <int F, int NT>
+CP_DEVICE void prepare_query(const ScoreParams& p, const Vecs& vs, int req, int v0, int g, int c,
+                             QueryFrag<NT>& q, float*) {
+#pragma unroll
+  for (int u = 0; u < NT; ++u) load_query_pairs<F>(p, vs, req, v0 + kVecsPerTile * u + g, c, q.pairs[u]);
 }
 
 template <bool kBf16>
@@ -242,27 +263,32 @@ CP_DEVICE void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, ui
 }
 
 // Slots {2c, 2c+1, 2c+8, 2c+9} of k-step s hold this lane's values {4s .. 4s+3}: the same
-// permutation on both operands leaves the dot product unchanged.
-template <bool kBf16>
-CP_DEVICE void tile_dot(const uint32_t (&k0)[16], const uint32_t (&k1)[16], const QueryFrag& q,
-                        const float*, int, float (&acc)[4]) {
-  acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
+// permutation on both operands leaves the dot product unchanged. The keys (A) are reused by
+// every n-tile.
+template <int F, int NT>
+CP_DEVICE void tile_dot(const uint32_t (&k0)[16], const uint32_t (&k1)[16], const QueryFrag<NT>& q,
+                        const float*, int, float (&acc)[NT][4]) {
 #pragma unroll
-  for (int s = 0; s < 8; ++s)
-    mma16816<kBf16>(acc, k0[2 * s], k1[2 * s], k0[2 * s + 1], k1[2 * s + 1], q.pairs[2 * s],
-                    q.pairs[2 * s + 1]);
+  for (int u = 0; u < NT; ++u) {
+    acc[u][0] = acc[u][1] = acc[u][2] = acc[u][3] = 0.f;
+#pragma unroll
+    for (int s = 0; s < 8; ++s)
+      mma16816<Fmt<F>::kBf16>(acc[u], k0[2 * s], k1[2 * s], k0[2 * s + 1], k1[2 * s + 1],
+                              q.pairs[u][2 * s], q.pairs[u][2 * s + 1]);
+  }
 }
 #else
+template <int NT>
 struct QueryFrag {};
 
-// Portable path: each warp keeps its row's queries for all heads in shared memory as fp32.
-template <int F>
-CP_DEVICE void prepare_query(const ScoreParams& p, int row, int g, int c, QueryFrag&,
-                             float* q_smem) {
-  cp_syncwarp();  // the previous row's values may still be in use
-  if (g < kMaxHeads) {
+// Portable path: each warp keeps the pass's 8 query vectors in shared memory as fp32.
+template <int F, int NT>
+CP_DEVICE void prepare_query(const ScoreParams& p, const Vecs& vs, int req, int v0, int g, int c,
+                             QueryFrag<NT>&, float* q_smem) {
+  cp_syncwarp();  // the previous item's values may still be in use
+  if (g < kVecsPerTile) {
     uint32_t pairs[16];
-    load_query_pairs<F>(p, row, g, c, pairs);
+    load_query_pairs<F>(p, vs, req, v0 + g, c, pairs);
 #pragma unroll
     for (int m = 0; m < 16; ++m) {
       const int d = Fmt<F>::dim_base(c, m >> 2);
@@ -273,35 +299,36 @@ CP_DEVICE void prepare_query(const ScoreParams& p, int row, int g, int c, QueryF
   cp_syncwarp();
 }
 
-template <int F>
-CP_DEVICE void tile_dot_portable(const uint32_t (&k0)[16], const uint32_t (&k1)[16],
-                                 const float* q_smem, int c, float (&acc)[4]) {
-  float part[2][kMaxHeads];
+template <int F, int NT>
+CP_DEVICE void tile_dot(const uint32_t (&k0)[16], const uint32_t (&k1)[16], const QueryFrag<NT>&,
+                        const float* q_smem, int c, float (&acc)[NT][4]) {
+  static_assert(NT == 1, "the portable path scores 8 vectors per pass");
+  float part[2][kVecsPerTile];
 #pragma unroll
-  for (int h = 0; h < kMaxHeads; ++h) {
+  for (int v = 0; v < kVecsPerTile; ++v) {
     float a = 0.f, b = 0.f;
 #pragma unroll
     for (int m = 0; m < 16; ++m) {
       const int d = Fmt<F>::dim_base(c, m >> 2);
-      const float q0 = q_smem[h * kHeadDim + d + Fmt<F>::elem(m & 3, 0)];
-      const float q1 = q_smem[h * kHeadDim + d + Fmt<F>::elem(m & 3, 1)];
+      const float q0 = q_smem[v * kHeadDim + d + Fmt<F>::elem(m & 3, 0)];
+      const float q1 = q_smem[v * kHeadDim + d + Fmt<F>::elem(m & 3, 1)];
       a += lo<Fmt<F>::kBf16>(k0[m]) * q0 + hi<Fmt<F>::kBf16>(k0[m]) * q1;
       b += lo<Fmt<F>::kBf16>(k1[m]) * q0 + hi<Fmt<F>::kBf16>(k1[m]) * q1;
     }
-    part[0][h] = a, part[1][h] = b;
+    part[0][v] = a, part[1][v] = b;
   }
-  // Sum the four lanes of the group, then keep heads (2c, 2c+1) like the mma layout does.
+  // Sum the four lanes of the group, then keep vectors (2c, 2c+1) like the mma layout does.
 #pragma unroll
-  for (int h = 0; h < kMaxHeads; ++h)
+  for (int v = 0; v < kVecsPerTile; ++v)
 #pragma unroll
     for (int s = 0; s < 2; ++s) {
-      part[s][h] += cp_shfl_xor(part[s][h], 1);
-      part[s][h] += cp_shfl_xor(part[s][h], 2);
+      part[s][v] += cp_shfl_xor(part[s][v], 1);
+      part[s][v] += cp_shfl_xor(part[s][v], 2);
     }
 #pragma unroll
-  for (int h = 0; h < kMaxHeads; h += 2)
-    if (h == 2 * c) acc[0] = part[0][h], acc[1] = part[0][h + 1], acc[2] = part[1][h],
-                    acc[3] = part[1][h + 1];
+  for (int v = 0; v < kVecsPerTile; v += 2)
+    if (v == 2 * c) acc[0][0] = part[0][v], acc[0][1] = part[0][v + 1], acc[0][2] = part[1][v],
+                    acc[0][3] = part[1][v + 1];
 }
 #endif
 
@@ -326,11 +353,12 @@ CP_DEVICE uint32_t error_code(const ScoreParams& p) {
 // Any recorded error: later launches exit at once (the host raises; replays don't stall).
 CP_DEVICE bool failed(const ScoreParams& p) { return error_code(p) != kErrNone; }
 
-// A peer was late: the handshake of this call is broken, so stop waiting and signalling. A data
-// error (bad page, short width) is not one: the call still completes its handshake.
+// The ranks are not in step (a peer late, or a call that is not the same call on every rank):
+// stop waiting and signalling. A data error (bad page, short width or length) is not one: the
+// call still completes its handshake.
 CP_DEVICE bool handshake_failed(const ScoreParams& p) {
   const uint32_t code = error_code(p);
-  return code == kErrTimeoutQueries || code == kErrTimeoutScores;
+  return code == kErrTimeoutQueries || code == kErrTimeoutScores || code == kErrMismatch;
 }
 
 // Spins until *flag >= call. False (after reporting) when the peer is later than the timeout,
@@ -351,37 +379,62 @@ CP_DEVICE bool wait_flag(const ScoreParams& p, const uint64_t* flag, uint64_t ca
   return true;
 }
 
-// ---- one item --------------------------------------------------------------------------------
-// acc holds tokens tok and tok + kGroups (heads 2c, 2c + 1); tokens at or past seq_len never count.
-CP_DEVICE void keep_max(float (&m)[4], const float (&acc)[4], int tok, int tok_limit) {
-  if (tok < tok_limit) m[0] = fmaxf(m[0], acc[0]), m[1] = fmaxf(m[1], acc[1]);
-  if (tok + kGroups < tok_limit) m[2] = fmaxf(m[2], acc[2]), m[3] = fmaxf(m[3], acc[3]);
-}
+// ---- one page ----------------------------------------------------------------------------------
+// Per-lane causal cuts of a pass: vector (u, e) = pass vector 8u + 2c + e belongs to query token
+// t, whose causal length is the request's minus (T - 1 - t). cut[u][e] = T - 1 - t.
+template <int NT>
+struct Cuts {
+  int cut[NT][2];
+};
 
-// The page's max over its tokens for heads (2c, 2c + 1), in every lane, scaled.
-template <int F>
-CP_DEVICE void finish_page(const ScoreParams& p, const float (&m)[4], float& v0, float& v1) {
-  v0 = fmaxf(m[0], m[2]);
-  v1 = fmaxf(m[1], m[3]);
+// acc holds tokens tok and tok + kGroups; a token at or past its row's causal length never
+// counts. limit = tokens of this page the request's last row sees; full: every row sees all 128.
+template <int NT>
+CP_DEVICE void keep_max(float (&m)[NT][4], const float (&acc)[NT][4], int tok, int limit,
+                        bool full, const Cuts<NT>& cuts) {
 #pragma unroll
-  for (int off = 4; off < CP_WARP; off <<= 1) {
-    v0 = fmaxf(v0, cp_shfl_xor(v0, off));
-    v1 = fmaxf(v1, cp_shfl_xor(v1, off));
-  }
-  const float scale = p.scale / Fmt<F>::kUnit;
-  v0 *= scale;
-  v1 *= scale;
+  for (int u = 0; u < NT; ++u)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int lim = limit - cuts.cut[u][e];
+      if (full || tok < lim) m[u][e] = fmaxf(m[u][e], acc[u][e]);
+      if (full || tok + kGroups < lim) m[u][2 + e] = fmaxf(m[u][2 + e], acc[u][2 + e]);
+    }
 }
 
-template <int F>
-CP_DEVICE void score_page(const ScoreParams& p, const uint8_t* page, const uint8_t* scale_page,
-                          int tok_limit, const QueryFrag& q, const float* q_smem, int g, int c,
-                          float& v0, float& v1) {
-  // The scalar dot keeps 16 partial sums live: no room to batch loads there.
-  constexpr int kWant = CP_USE_MMA ? Fmt<F>::kBatch : 1;
-  constexpr int kBatch = kWant < kTilesPerPage ? kWant : kTilesPerPage;
+// The page's max over its tokens for this lane's vectors (2c, 2c + 1) of every n-tile, in every
+// lane, scaled.
+template <int NT>
+CP_DEVICE void finish_page(const ScoreParams& p, const float (&m)[NT][4], float (&val)[NT][2]) {
+#pragma unroll
+  for (int u = 0; u < NT; ++u)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float v = fmaxf(m[u][e], m[u][2 + e]);
+#pragma unroll
+      for (int off = 4; off < CP_WARP; off <<= 1) v = fmaxf(v, cp_shfl_xor(v, off));
+      val[u][e] = v * p.scale;
+    }
+}
+
+template <int NT>
+CP_DEVICE void init_max(float (&m)[NT][4]) {
   const float ninf = -__builtin_huge_valf();
-  float m[4] = {ninf, ninf, ninf, ninf};
+#pragma unroll
+  for (int u = 0; u < NT; ++u) m[u][0] = m[u][1] = m[u][2] = m[u][3] = ninf;
+}
+
+template <int F, int NT>
+CP_DEVICE void score_page(const ScoreParams& p, const uint8_t* page, const uint8_t* scale_page,
+                          int limit, bool full, const Cuts<NT>& cuts, const QueryFrag<NT>& q,
+                          const float* q_smem, const uint2* lut, int g, int c,
+                          float (&val)[NT][2]) {
+  // The scalar dot keeps 16 partial sums live: no room to batch loads there. More query tiles
+  // hold more registers, so fewer tiles are loaded ahead.
+  constexpr int kWant = CP_USE_MMA ? (Fmt<F>::kBatch / NT > 0 ? Fmt<F>::kBatch / NT : 1) : 1;
+  constexpr int kBatch = kWant < kTilesPerPage ? kWant : kTilesPerPage;
+  float m[NT][4];
+  init_max(m);
 #if CP_USE_MMA
 #pragma unroll
 #else
@@ -390,36 +443,18 @@ CP_DEVICE void score_page(const ScoreParams& p, const uint8_t* page, const uint8
   for (int t0 = 0; t0 < kTilesPerPage; t0 += kBatch) {
     TileRegs<F> regs[kBatch];
 #pragma unroll
-    for (int b = 0; b < kBatch; ++b) load_tile<F>(regs[b], page, scale_page, t0 + b, g, c);
-#if CP_MEASURE_LOADS_ONLY
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b)
-#pragma unroll
-      for (int s = 0; s < 2; ++s) {
-        uint32_t x = F == kNVFP4 ? regs[b].scales[s] : 0u;
-#pragma unroll
-        for (int l = 0; l < Fmt<F>::kLoads; ++l)
-          x ^= regs[b].raw[s][l].x ^ regs[b].raw[s][l].y ^ regs[b].raw[s][l].z ^
-               regs[b].raw[s][l].w;
-        m[s] = fmaxf(m[s], __uint_as_float(x & 0x3fffffffu));  // keeps the loads alive
-      }
-    continue;
-#endif
+    for (int b = 0; b < kBatch; ++b) load_tile<F>(p, regs[b], page, scale_page, t0 + b, g, c);
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       uint32_t k0[16], k1[16];
-      unpack<F>(regs[b], 0, k0);
-      unpack<F>(regs[b], 1, k1);
-      float acc[4];
-#if CP_USE_MMA
-      tile_dot<Fmt<F>::kBf16>(k0, k1, q, q_smem, c, acc);
-#else
-      tile_dot_portable<F>(k0, k1, q_smem, c, acc);
-#endif
-      keep_max(m, acc, (t0 + b) * kTileTokens + g, tok_limit);
+      unpack<F>(regs[b], 0, lut, k0);
+      unpack<F>(regs[b], 1, lut, k1);
+      float acc[NT][4];
+      tile_dot<F, NT>(k0, k1, q, q_smem, c, acc);
+      keep_max<NT>(m, acc, (t0 + b) * kTileTokens + g, limit, full, cuts);
     }
   }
-  finish_page<F>(p, m, v0, v1);
+  finish_page<NT>(p, m, val);
 }
 
 #if CP_SMEM_ON
@@ -431,10 +466,10 @@ constexpr int kTileBytes = kTileTokens * Fmt<F>::kTokenBytes;
 template <int F>
 constexpr int kStages = Fmt<F>::kRing ? CP_SMEM_RING / kTileBytes<F> : 0;
 
-template <int F>
-CP_DEVICE void score_page_smem(const ScoreParams& p, const uint8_t* page, int tok_limit,
-                               const QueryFrag& q, int g, int c, uint8_t* ring, float& v0,
-                               float& v1) {
+template <int F, int NT>
+CP_DEVICE void score_page_smem(const ScoreParams& p, const uint8_t* page, int limit, bool full,
+                               const Cuts<NT>& cuts, const QueryFrag<NT>& q, int g, int c,
+                               uint8_t* ring, float (&val)[NT][2]) {
   constexpr int S = kStages<F>, kRow = Fmt<F>::kTokenBytes, kChunks = kRow / 16;
   const int lane = 4 * g + c;
   const uint32_t ring_addr = cp_smem_addr(ring);
@@ -451,8 +486,8 @@ CP_DEVICE void score_page_smem(const ScoreParams& p, const uint8_t* page, int to
     issue(t);
     cp_async_commit();
   }
-  const float ninf = -__builtin_huge_valf();
-  float m[4] = {ninf, ninf, ninf, ninf};
+  float m[NT][4];
+  init_max(m);
   // ldmatrix rows: lanes 0-7 and 16-23 read tokens 0-7, lanes 8-15 and 24-31 tokens 8-15;
   // lanes 16-31 read the chunk after lanes 0-15's.
   const int r = (lane & 7) + (lane & 8), hi = lane >> 4;
@@ -480,29 +515,13 @@ CP_DEVICE void score_page_smem(const ScoreParams& p, const uint8_t* page, int to
       }
     }
     cp_syncwarp();  // slot t % S is read before the next iteration refills it
-    float acc[4];
-    tile_dot<Fmt<F>::kBf16>(k0, k1, q, nullptr, c, acc);
-    keep_max(m, acc, t * kTileTokens + g, tok_limit);
+    float acc[NT][4];
+    tile_dot<F, NT>(k0, k1, q, nullptr, c, acc);
+    keep_max<NT>(m, acc, t * kTileTokens + g, limit, full, cuts);
   }
-  finish_page<F>(p, m, v0, v1);
+  finish_page<NT>(p, m, val);
 }
 #endif
-
-// An item's row length and page id. Both loads are independent of each other (the page id is
-// read even for blocks the row does not reach; it is only used for blocks it does).
-struct ItemMeta {
-  int len;
-  int64_t page;
-};
-
-CP_DEVICE ItemMeta load_meta(const ScoreParams& p, int64_t it, int64_t items, int kw) {
-  ItemMeta m = {0, -1};
-  if (it >= items) return m;
-  const int i = (int)(it / kw), j = p.rank + (int)(it - (int64_t)i * kw) * p.world;
-  m.len = p.seq_lens[i];
-  if (j < p.bt_cols) m.page = p.block_table[(int64_t)i * p.bt_row_stride + j];
-  return m;
-}
 
 #if defined(CP_MIN_CTAS) && !defined(CP_HIP)  // measurement: cap registers for this many CTAs/SM
 #define CP_BOUNDS __launch_bounds__(kThreads, CP_MIN_CTAS)
@@ -510,14 +529,18 @@ CP_DEVICE ItemMeta load_meta(const ScoreParams& p, int64_t it, int64_t items, in
 #define CP_BOUNDS __launch_bounds__(kThreads)
 #endif
 
-template <int F, bool kPush>
+// ---- the kernel ---------------------------------------------------------------------------------
+// NT: query n-tiles per pass (tensor cores; 1 on the portable path). A request with more than
+// 8 * NT vectors takes several passes over a page; the later passes find it in L2.
+template <int F, int NT>
 __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) {
   const int lane = threadIdx.x % CP_WARP, warp = threadIdx.x / CP_WARP;
   const int g = lane >> 2, c = lane & 3;
+  const bool push = ps.calls != nullptr;
 #if CP_USE_MMA
   float* q_smem = nullptr;
 #else
-  __shared__ float q_all[kWarpsPerCta][kMaxHeads * kHeadDim];
+  __shared__ float q_all[kWarpsPerCta][kVecsPerTile * kHeadDim];
   float* q_smem = q_all[warp];
 #endif
 #if CP_SMEM_ON
@@ -525,22 +548,21 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   __shared__ __align__(128) uint8_t ring_all[kWarpsPerCta][kRing];
   uint8_t* ring = ring_all[warp];
 #endif
+  __shared__ uint2 lut[F == kNVFP4 ? 256 : 1];
   __shared__ int cta_failed;
   __shared__ int is_last;
   uint64_t call = 0;
 
   if (failed(p)) return;  // an earlier call failed: the host raises; don't stall every replay
-  // This warp's items: this rank's round-robin share of each row's blocks, row-major.
-  const int kw = p.width > p.rank ? (p.width - p.rank + p.world - 1) / p.world : 0;
-  const int64_t items = (int64_t)p.rows * kw;
-  const int64_t stride = (int64_t)gridDim.x * kWarpsPerCta;
-  int64_t it = (int64_t)blockIdx.x * kWarpsPerCta + warp;
-#if CP_META_PREFETCH
-  ItemMeta meta = load_meta(p, it, items, kw);  // its latency overlaps the handshake's wait
-#endif
-  if (kPush) {
+  if constexpr (F == kNVFP4) {  // 2 KiB: one 16-byte load per thread
+    if (threadIdx.x < 128)
+      reinterpret_cast<uint4*>(lut)[threadIdx.x] = reinterpret_cast<const uint4*>(p.fp4_lut)[threadIdx.x];
+  }
+  if (threadIdx.x == 0) cta_failed = 0;
+  __syncthreads();
+
+  if (push) {
     call = *ps.calls + 1;
-    if (threadIdx.x == 0) cta_failed = 0;
     if ((int)blockIdx.x < p.world) {  // deliver my queries to rank (rank + blockIdx.x) % world
       const int dest = (p.rank + (int)blockIdx.x) % p.world;
       const uint4* src = reinterpret_cast<const uint4*>(ps.q_src);
@@ -548,75 +570,106 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
       for (int64_t i = threadIdx.x; i < ps.q_bytes / 16; i += kThreads) dst[i] = src[i];
       cp_fence_sys();
       __syncthreads();
-      if (threadIdx.x == 0) cp_store_release_sys(ps.peer_q_flag[dest], call);
+      if (threadIdx.x == 0) {
+        *reinterpret_cast<volatile uint64_t*>(ps.peer_q_ident[dest]) = p.ident;
+        cp_store_release_sys(ps.peer_q_flag[dest], call);
+      }
     }
-    if ((int)threadIdx.x < p.world &&
-        !wait_flag(p, ps.q_flags + threadIdx.x, call, ps.timeout_ticks, kErrTimeoutQueries,
-                   threadIdx.x))
-      cta_failed = 1;
+    if ((int)threadIdx.x < p.world) {
+      if (!wait_flag(p, ps.q_flags + threadIdx.x, call, ps.timeout_ticks, kErrTimeoutQueries,
+                     threadIdx.x)) {
+        cta_failed = 1;
+      } else {  // the peer's call must be this call: same shape, forcing and configuration
+        const uint64_t theirs = *reinterpret_cast<volatile const uint64_t*>(ps.q_idents + threadIdx.x);
+        if (theirs != p.ident) {
+          report(p, kErrMismatch, threadIdx.x, call, theirs);
+          cta_failed = 1;
+        }
+      }
+    }
     __syncthreads();
   }
 
-  if (!kPush || !cta_failed) {
-    const float ninf = -__builtin_huge_valf();
-    QueryFrag q;
-    int cur_row = -1;
-    for (; it < items; it += stride) {
-      // The next item's length and page go out now, so their latency hides behind this page.
-#if CP_META_PREFETCH
-      const ItemMeta cur = meta;
-      meta = load_meta(p, it + stride, items, kw);
-#else
-      const ItemMeta cur = load_meta(p, it, items, kw);
-#endif
+  if (!cta_failed) {
+    const Vecs vs = {p.query_len * p.num_heads, p.num_heads, p.query_len};
+    const int kw = p.width > p.rank ? (p.width - p.rank + p.world - 1) / p.world : 0;
+    const int64_t items = (int64_t)p.requests * kw;
+    const int64_t stride = (int64_t)gridDim.x * kWarpsPerCta;
+    const float ninf = -__builtin_huge_valf(), nan = __builtin_nanf("");
+    QueryFrag<NT> q;
+    int cur_req = -1, cur_v0 = -1;
+    for (int64_t it = (int64_t)blockIdx.x * kWarpsPerCta + warp; it < items; it += stride) {
       const int i = (int)(it / kw), k = (int)(it - (int64_t)i * kw);
       const int j = p.rank + k * p.world;
-      const int len = cur.len;
-      const int n = len > 0 ? (len + kPageTokens - 1) / kPageTokens : 0;
-      if (k == 0 && lane == 0 && (n > p.width || n > p.bt_cols))  // checked once per row
-        report(p, kErrWidth, (uint32_t)i, call, (uint64_t)n);
-      float v0, v1;
-      if (j >= n) {
-        v0 = v1 = ninf;
-      } else if (j >= n - p.local_blocks) {
-        v0 = v1 = kForcedLocal;
-      } else if (j < p.init_blocks) {
-        v0 = v1 = kForcedInit;
-      } else {
-        const int64_t page = cur.page;
-        if (page < 0 || page >= p.num_pages) {
+      const int len = p.seq_lens[i];
+      const int n = len > 0 ? (len + kPageTokens - 1) / kPageTokens : 0;  // the last row's blocks
+      if (k == 0 && lane == 0) {  // checked once per request
+        if (len < p.query_len) report(p, kErrLength, (uint32_t)i, call, (uint64_t)(int64_t)len);
+        else if (n > p.width || n > p.bt_cols) report(p, kErrWidth, (uint32_t)i, call, (uint64_t)n);
+      }
+      // The page is read when some row of the request scans block j (the last row sees most).
+      bool bad = len < p.query_len;
+      bool read = !bad && j >= p.init_blocks && j < n - p.local_blocks;
+      int64_t page = -1;
+      if (read) {
+        if (j < p.bt_cols) page = p.block_table[(int64_t)i * p.bt_row_stride + j];
+        if (page < 0 || page >= p.num_pages) {  // past max_blocks (reported above) or bad page
           if (lane == 0) report(p, kErrBadPage, (uint32_t)i, call, (uint64_t)j);
-          v0 = v1 = __builtin_nanf("");
-        } else {
-          if (i != cur_row) {
-            prepare_query<F>(p, i, g, c, q, q_smem);
-            cur_row = i;
+          read = false, bad = true;
+        }
+      }
+      const int limit = len - j * kPageTokens;  // tokens of block j the last row sees
+      const bool full = limit - (p.query_len - 1) >= kPageTokens;
+      const int col = p.shard_columns ? k : j;
+      for (int v0 = 0; v0 < vs.count; v0 += kVecsPerTile * NT) {
+        Cuts<NT> cuts;
+#pragma unroll
+        for (int u = 0; u < NT; ++u)
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            cuts.cut[u][e] = p.query_len - 1 - (v0 + kVecsPerTile * u + 2 * c + e) / vs.heads;
+        float val[NT][2];
+        if (read) {
+          if (i != cur_req || v0 != cur_v0) {
+            prepare_query<F, NT>(p, vs, i, v0, g, c, q, q_smem);
+            cur_req = i, cur_v0 = v0;
           }
 #if CP_SMEM_ON
           if constexpr (kStages<F> > 0)
-            score_page_smem<F>(p, p.kv + page * p.kv_page_stride, len - j * kPageTokens, q, g,
-                               c, ring, v0, v1);
+            score_page_smem<F, NT>(p, p.kv + page * p.kv_page_stride, limit, full, cuts, q, g, c,
+                                   ring, val);
           else
 #endif
-            score_page<F>(p, p.kv + page * p.kv_page_stride,
-                          F == kNVFP4 ? p.ks + page * p.ks_page_stride : nullptr,
-                          len - j * kPageTokens, q, q_smem, g, c, v0, v1);
+            score_page<F, NT>(p, p.kv + page * p.kv_page_stride,
+                              F == kNVFP4 ? p.ks + page * p.ks_page_stride : nullptr, limit, full,
+                              cuts, q, q_smem, lut, g, c, val);
         }
-      }
-      if (g == 0) {  // lanes 0..3 hold heads (2c, 2c+1)
-        const int col = p.shard_columns ? k : j;
+        if (g == 0) {  // lanes 0..3 hold vectors (2c, 2c+1) of every n-tile
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int h = 2 * c + e;
-          if (h >= p.num_heads) break;
-          for (int cp = 0; cp < p.dst_copies; ++cp)
-            p.dst[h * p.dst_copies + cp][(int64_t)i * p.out_row_stride + col] = e ? v1 : v0;
+          for (int u = 0; u < NT; ++u)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int v = v0 + kVecsPerTile * u + 2 * c + e;
+              if (v >= vs.count) continue;
+              const int h = v % vs.heads, row = i * p.query_len + v / vs.heads;
+              // this row's own causal length and blocks, and the contract's forcing order
+              const int len_row = len - cuts.cut[u][e];
+              const int n_row = len_row > 0 ? (len_row + kPageTokens - 1) / kPageTokens : 0;
+              float out;
+              if (bad) out = nan;
+              else if (j >= n_row) out = ninf;
+              else if (j >= n_row - p.local_blocks) out = kForcedLocal;
+              else if (j < p.init_blocks) out = kForcedInit;
+              else out = val[u][e];
+              for (int cp = 0; cp < p.dst_copies; ++cp)
+                p.dst[h * p.dst_copies + cp][(int64_t)row * p.out_row_stride + col] = out;
+            }
         }
       }
     }
   }
 
-  if (!kPush) return;
+  if (!push) return;
   // Completion: the last CTA to finish signals every peer and waits for every peer's scores.
   cp_fence_sys();
   __syncthreads();
@@ -637,22 +690,46 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   }
 }
 
-template <int F>
-int launch_format(const ScoreParams& p, const PushState* push, int grid, void* stream) {
+// Query n-tiles per pass for `vectors` = T * H query vectors: registers hold every tile's query
+// fragment, so more than 4 tiles take several passes instead.
+int query_tiles(int vectors) {
+#if CP_USE_MMA
+  return vectors <= 8 ? 1 : vectors <= 16 ? 2 : 4;
+#else
+  (void)vectors;
+  return 1;
+#endif
+}
+
+template <int F, int NT>
+int launch_nt(const ScoreParams& p, const PushState* push, int grid, void* stream) {
   const PushState none = {};
-  if (push != nullptr)
-    score_kernel<F, true><<<grid, kThreads, 0, (cp_stream_t)stream>>>(p, *push);
-  else
-    score_kernel<F, false><<<grid, kThreads, 0, (cp_stream_t)stream>>>(p, none);
+  score_kernel<F, NT><<<grid, kThreads, 0, (cp_stream_t)stream>>>(p, push ? *push : none);
   return (int)cp_get_last_error();
 }
 
 template <int F>
-int occupancy_format(bool push, int* ctas) {
-  return push ? (int)cp_occupancy(ctas, score_kernel<F, true>,
-                                                                   kThreads, 0)
-              : (int)cp_occupancy(ctas, score_kernel<F, false>,
-                                                                   kThreads, 0);
+int launch_format(const ScoreParams& p, const PushState* push, int grid, void* stream) {
+  switch (query_tiles(p.query_len * p.num_heads)) {
+    case 1: return launch_nt<F, 1>(p, push, grid, stream);
+#if CP_USE_MMA
+    case 2: return launch_nt<F, 2>(p, push, grid, stream);
+    case 4: return launch_nt<F, 4>(p, push, grid, stream);
+#endif
+    default: return -1;
+  }
+}
+
+template <int F>
+int occupancy_format(int vectors, int* ctas) {
+  switch (query_tiles(vectors)) {
+    case 1: return (int)cp_occupancy(ctas, score_kernel<F, 1>, kThreads, 0);
+#if CP_USE_MMA
+    case 2: return (int)cp_occupancy(ctas, score_kernel<F, 2>, kThreads, 0);
+    case 4: return (int)cp_occupancy(ctas, score_kernel<F, 4>, kThreads, 0);
+#endif
+    default: return -1;
+  }
 }
 
 }  // namespace
@@ -666,11 +743,11 @@ int launch_score(const ScoreParams& p, const PushState* push, int format, int gr
   }
 }
 
-int score_occupancy(int format, bool push, int* ctas_per_sm) {
+int score_occupancy(int format, int vectors, int* ctas_per_sm) {
   switch (format) {
-    case kBF16: return occupancy_format<kBF16>(push, ctas_per_sm);
-    case kFP8: return occupancy_format<kFP8>(push, ctas_per_sm);
-    case kNVFP4: return occupancy_format<kNVFP4>(push, ctas_per_sm);
+    case kBF16: return occupancy_format<kBF16>(vectors, ctas_per_sm);
+    case kFP8: return occupancy_format<kFP8>(vectors, ctas_per_sm);
+    case kNVFP4: return occupancy_format<kNVFP4>(vectors, ctas_per_sm);
     default: return -1;
   }
 }

@@ -15,6 +15,7 @@ MAX_WORLD = 16
 MAX_DST = 16
 FORMAT_IDS = {"bf16": 0, "fp8": 1, "nvfp4": 2}
 ERR_TIMEOUT_QUERIES, ERR_TIMEOUT_SCORES, ERR_BAD_PAGE, ERR_WIDTH, ERR_LENGTH = 1, 2, 3, 4, 5
+ERR_MISMATCH = 6
 
 
 class ErrorWord(C.Structure):
@@ -37,6 +38,8 @@ class PushState(C.Structure):
         ("peer_q_slot", C.c_void_p * MAX_WORLD),
         ("peer_q_flag", C.c_void_p * MAX_WORLD),
         ("peer_s_flag", C.c_void_p * MAX_WORLD),
+        ("peer_q_ident", C.c_void_p * MAX_WORLD),
+        ("q_idents", C.c_void_p),
         ("q_src", C.c_void_p),
         ("q_bytes", C.c_int64),
         ("timeout_ticks", C.c_uint64),
@@ -74,6 +77,7 @@ class ScoreParams(C.Structure):
         ("dst_copies", C.c_int),
         ("shard_columns", C.c_int),
         ("out_row_stride", C.c_int64),
+        ("ident", C.c_uint64),
         ("err", C.c_void_p),
         ("err_host", C.c_void_p),
     ]

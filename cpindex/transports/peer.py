@@ -11,12 +11,14 @@ Region of rank r (offsets in bytes)::
     64     ErrorWord     device copy of this rank's error word
     512    q_flags u64[16]  slot p: last call whose queries rank p delivered here
     1024   s_flags u64[16]  slot p: last call whose scores rank p delivered here
+    1536   q_ident u64[16]  slot p: identity of the call whose queries rank p delivered here
     4096   queries [world][max_rows][heads_per_rank][128] (query element size)
     ...    recv    f32 [heads_per_rank][max_rows * max_width]   (used as [hpr, rows, width])
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 from collections.abc import Callable, Sequence
@@ -31,7 +33,7 @@ from ..kernels.launcher import ErrorMonitor, KernelScorer
 from ..validation import Call
 from .base import Context, Transport
 
-OFF_CALLS, OFF_TICKET, OFF_ERR, OFF_QFLAGS, OFF_SFLAGS = 0, 8, 64, 512, 1024
+OFF_CALLS, OFF_TICKET, OFF_ERR, OFF_QFLAGS, OFF_SFLAGS, OFF_QIDENT = 0, 8, 64, 512, 1024, 1536
 FLAG_BYTES = 4096
 
 
@@ -77,6 +79,16 @@ def agree(ctx: Context, ok: bool, why: str, what: str) -> None:
         raise TransportUnavailable(f"{what} failed: " + "; ".join(f"rank {r}: {w}" for r, w in bad))
 
 
+def call_identity(cfg: CPIndexConfig, *shape: int) -> int:
+    """A non-zero 64-bit identity of one call: its shape and forcing counts and the fields of
+    the configuration that every rank must share. The kernel compares the identities the ranks
+    deliver with their queries, so ranks that pair different calls raise instead of exchanging
+    wrong data. Static per call shape, so graph replays carry it unchanged."""
+    shared = cfg.model_dump(exclude={"timeout_s", "error_check", "ipc_self_test"})
+    text = repr((sorted(shared.items()), shape)).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") | 1
+
+
 class PushEngine:
     """Launches push-mode calls over regions whose base addresses are ``bases[rank]``."""
 
@@ -103,10 +115,12 @@ class PushEngine:
         base = bases[rank]
         ps.calls, ps.ticket = base + OFF_CALLS, base + OFF_TICKET
         ps.q_flags, ps.s_flags = base + OFF_QFLAGS, base + OFF_SFLAGS
+        ps.q_idents = base + OFF_QIDENT
         for p in range(w):
             ps.peer_q_slot[p] = bases[p] + layout.q_off + rank * layout.q_slot
             ps.peer_q_flag[p] = bases[p] + OFF_QFLAGS + 8 * rank
             ps.peer_s_flag[p] = bases[p] + OFF_SFLAGS + 8 * rank
+            ps.peer_q_ident[p] = bases[p] + OFF_QIDENT + 8 * rank
         ps.timeout_ticks = int(cfg.timeout_s * timeout_ticks_per_s)
         self.push_image = structs.image(ps)
         self._owners = partition.head_owners(cfg.num_heads, w)
@@ -136,6 +150,7 @@ class PushEngine:
             dst_copies=len(self._owners[0]),
             shard_columns=False,
             out_row_stride=width,
+            ident=call_identity(cfg, requests, query_len, width, init_blocks, local_blocks),
         )
 
     def score_push(self, call: Call) -> torch.Tensor:
