@@ -34,20 +34,20 @@ class Spec:
     contexts: list[int]
     graphs: bool
     iters: int
+    query_len: int = 1  # query rows per request; ``rows`` counts requests
 
 
-def _problem(fmt: str, rows: int, ctx: int, device: torch.device) -> testing.Problem:
-    """Full-length rows; the same data on every rank (seeded)."""
+def _problem(fmt: str, rows: int, ctx: int, t: int, device: torch.device) -> testing.Problem:
+    """``rows`` full-length requests of ``t`` query rows; the same data on every rank."""
     if device.type != "cuda":
         lens = torch.full((rows,), ctx, dtype=torch.int32)
-        return testing.make_problem(rows, ctx, fmt, lengths=lens, seed=rows * 7 + ctx)
+        return testing.make_problem(rows, ctx, fmt, query_len=t, lengths=lens, seed=rows * 7 + ctx)
     blocks = ctx // 128
     cache = synthetic_cache(rows * blocks, fmt, device, seed=rows + ctx)
     table = torch.arange(rows * blocks, dtype=torch.int32, device=device).view(rows, blocks)
     lens = torch.full((rows,), ctx, dtype=torch.int32, device=device)
-    return testing.Problem(
-        synthetic_queries(rows, 4, fmt, device, seed=ctx), cache, table, lens, blocks, fmt
-    )
+    q = synthetic_queries(rows * t, 4, fmt, device, seed=ctx)
+    return testing.Problem(q, cache, table, lens, blocks, fmt, t)
 
 
 def _time(fn, spec: Spec, device: torch.device, capturable: bool = True, comm=None):
@@ -88,17 +88,23 @@ def _rank_job(comm: Comm, spec: Spec, device: torch.device) -> list[dict]:
         cps = {}
         for t in spec.transports:
             cfg = CPIndexConfig(
-                transport=t, cache_format=fmt, max_rows=rows_max, max_width=width_max
+                transport=t,
+                cache_format=fmt,
+                max_rows=rows_max * spec.query_len,
+                max_query_len=spec.query_len,
+                max_width=width_max,
             )
             cps[t] = IndexCP(cfg, device=device, comm=comm)
         for rows in spec.rows:
             for ctx in spec.contexts:
-                prob = _problem(fmt, rows, ctx, device)
+                prob = _problem(fmt, rows, ctx, spec.query_len, device)
                 iq = prob.rank_queries(comm.rank, comm.world_size)
                 args = (prob.index_cache, prob.block_table, prob.seq_lens, 0, 1, prob.width)
+                kw = {"query_len": spec.query_len}
                 rec = {
                     "format": fmt,
                     "rows": rows,
+                    "query_len": spec.query_len,
                     "context": ctx,
                     "world": comm.world_size,
                     "device": str(device),
@@ -111,7 +117,7 @@ def _rank_job(comm: Comm, spec: Spec, device: torch.device) -> list[dict]:
                 comm.barrier()  # all prep done before anyone launches push kernels
                 agree = {}
                 for t, cp in cps.items():
-                    got = cp.score_push(iq, *args)
+                    got = cp.score_push(iq, *args, **kw)
                     if device.type == "cuda":
                         torch.cuda.current_stream().synchronize()
                     comm.barrier()  # nobody launches the next push while equal() allocates
@@ -119,7 +125,7 @@ def _rank_job(comm: Comm, spec: Spec, device: torch.device) -> list[dict]:
                     comm.barrier()
                 rec["agree"] = agree
                 for t, cp in cps.items():
-                    fn = lambda i, cp=cp, iq=iq, args=args: cp.score_push(iq, *args)  # noqa: E731
+                    fn = lambda i, cp=cp, iq=iq, args=args, kw=kw: cp.score_push(iq, *args, **kw)  # noqa: E731
                     rec[t] = summarize(_time(fn, spec, device, cp.capturable, comm))
                     rec[t]["graph"] = bool(spec.graphs and cp.capturable)
                     rec["transport_" + t] = cp.transport_name
@@ -173,6 +179,7 @@ def _share_fn(prob: testing.Problem, comm: Comm, device: torch.device):
             init_blocks=0,
             local_blocks=1,
             width=prob.width,
+            query_len=prob.query_len,
             shard=True,
         )
     cols = partition.owned_columns(0, w, prob.width)
@@ -185,6 +192,7 @@ def _share_fn(prob: testing.Problem, comm: Comm, device: torch.device):
         local_blocks=1,
         width=prob.width,
         columns=cols,
+        query_len=prob.query_len,
     )
 
 
@@ -200,6 +208,7 @@ def _full_fn(prob: testing.Problem, q_own: torch.Tensor, device: torch.device):
             1,
             prob.width,
             128**-0.5,
+            prob.query_len,
         )
     return lambda i: reference.block_scores(
         q_own,
@@ -209,14 +218,15 @@ def _full_fn(prob: testing.Problem, q_own: torch.Tensor, device: torch.device):
         init_blocks=0,
         local_blocks=1,
         width=prob.width,
+        query_len=prob.query_len,
     )
 
 
 def header(transports: list[str]) -> str:
     cols = "".join(f" {t + ' us':>13} {'x':>5}" for t in transports)
     return (
-        f"{'fmt':>5} {'rows':>4} {'ctx':>5} {'MiB/rank':>8} {'GB/s':>7}{cols} {'score us':>9} "
-        f"{'no-CP us':>9} {'CP gain':>7} {'agree':>5}"
+        f"{'fmt':>5} {'rows':>4} {'T':>2} {'ctx':>5} {'MiB/rank':>8} {'GB/s':>7}{cols} "
+        f"{'score us':>9} {'no-CP us':>9} {'CP gain':>7} {'agree':>5}"
     )
 
 
@@ -228,7 +238,7 @@ def line(r: dict, transports: list[str]) -> str:
     nocp = r.get("nocp", {}).get("median_ms")
     gain = f"{nocp / best:>6.2f}x" if nocp else ""  # no-CP time over the fastest CP transport
     return (
-        f"{r['format']:>5} {r['rows']:>4} {r['context'] // 1024:>4}K "
+        f"{r['format']:>5} {r['rows']:>4} {r.get('query_len', 1):>2} {r['context'] // 1024:>4}K "
         f"{r['scan_bytes_rank'] / 2**20:>8.2f} {r['scan_bytes_rank'] / best / 1e6:>7.2f}{cols} "
         f"{(score or 0) * 1e3:>9.1f} {(nocp or 0) * 1e3:>9.1f} {gain:>7} "
         f"{'yes' if all(r['agree'].values()) else 'NO':>5}"
@@ -246,6 +256,7 @@ def legend(spec: Spec, rows: list[dict]) -> str:
     return "\n".join(
         [
             f"Times: median per call in us over {spec.iters} timed repetitions ({how}).",
+            "  rows, T   requests, and the query rows each scores (its pages are read once)",
             "  MiB/rank  index-cache bytes the busiest rank reads per call",
             "  GB/s      MiB/rank over the fastest transport's time",
             "  <t> us    one score_push call with transport <t>, exchange included",

@@ -32,6 +32,15 @@ def require_matplotlib() -> None:
         ) from None
 
 
+def _one_query_len(values: list[int]) -> int:
+    """The transport A/B runs one query length per run (its instances are sized for it)."""
+    if len(values) != 1:
+        raise SystemExit(
+            "cpindex bench: the transport A/B takes one --query-len; got " + str(values)
+        )
+    return values[0]
+
+
 def main(args: argparse.Namespace) -> dict:
     if args.plot:
         require_matplotlib()
@@ -72,6 +81,7 @@ def main(args: argparse.Namespace) -> dict:
             contexts=args.context or ([8 * K, 32 * K, 128 * K] if gpu else [2 * K, 8 * K]),
             graphs=args.graphs,
             iters=args.iters or (50 if gpu else 5),
+            query_len=_one_query_len(args.query_len),
         )
         rows = ab.run(spec)
         print(ab.table(rows, spec.transports))
