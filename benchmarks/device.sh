@@ -10,7 +10,7 @@
 #   bench-kernel [ARGS]    python -m cpindex bench --kernel   (default: bf16,fp8,nvfp4, 20 iters)
 #   bench-ab [ARGS]        python -m cpindex bench            (default: ipc vs collective, W = 4)
 #   variants [ARGS]        python benchmarks/kernel_variants.py  (default: the shipped build
-#                          against the register path and the loads-only ceiling)
+#                          against the register path and a 4-CTA register cap)
 #   probe [VARIANT WORLD]  benchmarks/handshake_probe.py with CUDA_MODULE_LOADING=EAGER, then LAZY
 #   profile FMT ROWS CTX   Nsight Compute on benchmarks/profile_kernel.py
 #   all                    tests, demo, bench-kernel and bench-ab with their defaults
