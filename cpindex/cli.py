@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="query_len",
         type=_ints,
         metavar="LIST",
-        default=[1],
+        default="1",  # parsed by _ints like a given value, so the help shows "1"
         help="comma list of query tokens per request (speculative/MTP decode); --rows counts "
         "requests, each scoring T rows",
     )
