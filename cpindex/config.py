@@ -23,6 +23,8 @@ ENV_PREFIX = "CPINDEX_"
 MAX_KERNEL_HEADS = 8
 #: Query tokens of one request the kernel scores in one pass over its pages (T * H <= 64).
 MAX_QUERY_LEN = 8
+#: Most blocks ``select_blocks`` returns per (row, head); MiniMax-M3 selects 16.
+MAX_TOPK = 64
 
 
 class CPIndexConfig(BaseModel):
@@ -55,6 +57,12 @@ class CPIndexConfig(BaseModel):
     )
     max_width: int = Field(
         4096, ge=1, le=1 << 20, description="Most score columns (blocks) in one call."
+    )
+    max_topk: int = Field(
+        16,
+        ge=1,
+        le=MAX_TOPK,
+        description="Most blocks select_blocks returns per (row, head); sizes its buffers.",
     )
     sm_scale: float = Field(128**-0.5, gt=0.0, description="Positive score scale.")
     timeout_s: float = Field(
