@@ -7,12 +7,21 @@ the exact run with ``CPIndexConfig.from_file``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 TransportName = Literal["auto", "ipc", "mori", "collective"]
 CacheFormat = Literal["bf16", "fp8", "nvfp4"]
@@ -25,6 +34,29 @@ MAX_KERNEL_HEADS = 8
 MAX_QUERY_LEN = 8
 #: Most blocks ``select_blocks`` returns per (row, head); MiniMax-M3 selects 16.
 MAX_TOPK = 64
+#: ``sm_scale`` must lie in this range. With fp8/nvfp4 inputs |q·k| <= 128 * 448 * 448 (about
+#: 2.6e7), so a scaled score stays below 2.6e13: finite in fp32 and far below the forced values
+#: (1e29, 1e30), which must always win. The smallest non-zero product (e4m3 subnormals, 2**-9
+#: each: 2**-18) scaled by 1e-6 is about 3.8e-12, far above fp32's smallest normal (1.2e-38), so
+#: no score flushes to zero. bf16 inputs are assumed O(1) (RMS-normed keys, docs/contract.md §4).
+SM_SCALE_RANGE = (1e-6, 1e6)
+#: Default of ``max_buffer_bytes``: what one rank may allocate for an instance's buffers.
+DEFAULT_MAX_BUFFER_BYTES = 4 << 30
+
+
+def _not_bool(v: object) -> object:
+    # pydantic's lax mode reads True as 1; a bool for a count or a scale is always a mistake.
+    if isinstance(v, bool):
+        raise ValueError(f"expected a number, got the bool {v}")
+    return v
+
+
+Int = Annotated[int, BeforeValidator(_not_bool)]
+Float = Annotated[float, BeforeValidator(_not_bool)]
+
+
+def _align256(n: int) -> int:
+    return -(-n // 256) * 256
 
 
 class CPIndexConfig(BaseModel):
@@ -39,34 +71,43 @@ class CPIndexConfig(BaseModel):
     transport: TransportName = Field(
         "auto", description="'auto' picks the fastest transport every rank can use."
     )
-    world_size: int | None = Field(
+    world_size: Int | None = Field(
         None, ge=1, description="Ranks in the group; None takes the group's size."
     )
-    num_heads: int = Field(4, ge=1, le=MAX_KERNEL_HEADS, description="Index-query heads H.")
+    num_heads: Int = Field(4, ge=1, le=MAX_KERNEL_HEADS, description="Index-query heads H.")
     head_dim: Literal[128] = Field(128, description="Index head dimension (MiniMax-M3: 128).")
     block_size: Literal[128] = Field(128, description="Tokens per KV block / cache page.")
     cache_format: CacheFormat = Field("nvfp4", description="Index-key cache format.")
-    max_rows: int = Field(
+    max_rows: Int = Field(
         256, ge=1, le=65536, description="Most query rows (requests x query_len) in one call."
     )
-    max_query_len: int = Field(
+    max_query_len: Int = Field(
         8,
         ge=1,
         le=MAX_QUERY_LEN,
         description="Most query tokens per request (speculative/MTP decode rows) in one call.",
     )
-    max_width: int = Field(
+    max_width: Int = Field(
         4096, ge=1, le=1 << 20, description="Most score columns (blocks) in one call."
     )
-    max_topk: int = Field(
+    max_topk: Int = Field(
         16,
         ge=1,
         le=MAX_TOPK,
         description="Most blocks select_blocks returns per (row, head); sizes its buffers.",
     )
-    sm_scale: float = Field(128**-0.5, gt=0.0, description="Positive score scale.")
-    timeout_s: float = Field(
-        10.0, gt=0.0, le=3600.0, description="Longest wait for a peer before the call fails."
+    sm_scale: Float = Field(
+        128**-0.5,
+        gt=0.0,
+        allow_inf_nan=False,
+        description=f"Positive score scale, in [{SM_SCALE_RANGE[0]:g}, {SM_SCALE_RANGE[1]:g}].",
+    )
+    timeout_s: Float = Field(
+        10.0,
+        gt=0.0,
+        le=3600.0,
+        allow_inf_nan=False,
+        description="Longest wait for a peer before the call fails (local: may differ by rank).",
     )
     error_check: Literal["next_call", "sync"] = Field(
         "next_call",
@@ -79,6 +120,31 @@ class CPIndexConfig(BaseModel):
     ipc_self_test: bool = Field(
         True, description="Check at construction that peer writes really land (IOMMU, P2P)."
     )
+    max_buffer_bytes: Int = Field(
+        DEFAULT_MAX_BUFFER_BYTES,
+        ge=1,
+        description="Most bytes of buffers one rank allocates for an instance (see "
+        "buffer_bytes); a config that needs more is refused (local: may differ by rank).",
+    )
+
+    #: Fields each rank may set on its own. Every other field must be equal on all ranks:
+    #: construction compares them and the transports' call identities carry their digest. A
+    #: rank with a shorter ``timeout_s`` gives up sooner, and then every rank raises (the
+    #: exchange has one outcome for all); it never changes what a call computes.
+    LOCAL_FIELDS: ClassVar[frozenset[str]] = frozenset(
+        {"timeout_s", "error_check", "max_buffer_bytes"}
+    )
+
+    @field_validator("sm_scale")
+    @classmethod
+    def _sm_scale_in_range(cls, v: float) -> float:
+        lo, hi = SM_SCALE_RANGE
+        if not lo <= v <= hi:
+            raise ValueError(
+                f"sm_scale must be in [{lo:g}, {hi:g}] (got {v!r}): outside it fp32 scores "
+                "overflow to inf, pass the forced values 1e29/1e30, or flush to 0"
+            )
+        return v
 
     @model_validator(mode="after")
     def _heads_divide_world(self) -> CPIndexConfig:
@@ -89,6 +155,14 @@ class CPIndexConfig(BaseModel):
                 "each rank owns num_heads/world_size heads, or each head is replicated on "
                 "world_size/num_heads ranks"
             )
+        if w is not None and self.buffer_bytes(w) > self.max_buffer_bytes:
+            raise ValueError(
+                f"this config needs {self.buffer_bytes(w):,} bytes of buffers per rank at "
+                f"world_size {w} (max_rows={self.max_rows}, max_width={self.max_width}, "
+                f"num_heads={self.num_heads}), more than max_buffer_bytes="
+                f"{self.max_buffer_bytes:,}; lower max_rows or max_width, or raise "
+                "max_buffer_bytes"
+            )
         return self
 
     # --- derived -------------------------------------------------------------------------
@@ -96,6 +170,41 @@ class CPIndexConfig(BaseModel):
         """Heads whose scores each rank receives (1 when heads are replicated over ranks)."""
         w = world_size or self.world_size or 1
         return max(1, self.num_heads // w)
+
+    def buffer_bytes(self, world_size: int | None = None) -> int:
+        """Bytes of device (or CPU) memory one rank allocates for an instance in a group of
+        ``world_size`` ranks: the larger transport's buffers plus ``select_blocks``' results.
+
+        * ``ipc``/``mori`` region (``transports/peer.py``, ``PeerLayout``): a 4 KiB flag page,
+          one 256-byte-aligned query slot per rank, the float32 receive buffer
+          ``[heads_per_rank, max_rows, max_width]``.
+        * ``collective`` (``transports/collective.py``): the gathered queries of every rank,
+          a float32 shard ``[num_heads, max_rows, ceil(max_width / W)]``, the received shards
+          ``[W, heads_per_rank, max_rows, ceil(max_width / W)]`` and the output.
+        * ``select_blocks`` results (``selection.Outputs``): int32 ids and float32 scores,
+          ``[heads_per_rank, max_rows, max_topk]`` each.
+        """
+        w = world_size or self.world_size or 1
+        hpr = self.heads_per_rank(w)
+        rows, width = self.max_rows, self.max_width
+        q_rank = rows * hpr * self.head_dim * (2 if self.cache_format == "bf16" else 1)
+        kw = -(-width // w)
+        out = hpr * rows * width * 4
+        peer = 4096 + w * _align256(q_rank) + out
+        collective = w * q_rank + self.num_heads * rows * kw * 4 + w * hpr * rows * kw * 4 + out
+        select = hpr * rows * self.max_topk * 8
+        return max(peer, collective) + select
+
+    def shared_values(self) -> dict[str, Any]:
+        """The fields every rank must agree on (all but :attr:`LOCAL_FIELDS`), by name."""
+        return {k: v for k, v in self.model_dump().items() if k not in self.LOCAL_FIELDS}
+
+    def digest(self) -> int:
+        """A stable 64-bit hash of :meth:`shared_values`, never 0: equal on every rank of a
+        group that may work together (the same bytes across processes, runs and hosts). Call
+        identities carry it, so ranks holding different configurations never pair calls."""
+        text = json.dumps(self.shared_values(), sort_keys=True).encode()
+        return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") | 1
 
     def with_world_size(self, world_size: int) -> CPIndexConfig:
         """This config bound to a group of ``world_size`` ranks (validated again)."""
@@ -126,7 +235,13 @@ class CPIndexConfig(BaseModel):
                     f"unknown environment variable {key}; known: "
                     + ", ".join(ENV_PREFIX + f.upper() for f in sorted(fields))
                 )
-            values[name] = None if raw.lower() in ("", "none", "null") else raw
+            if not raw.strip():
+                raise ValueError(
+                    f"environment variable {key} is set but empty; unset it to take the "
+                    f"default ({cls.model_fields[name].default!r}) or give a value"
+                )
+            nullable = cls.model_fields[name].default is None
+            values[name] = None if nullable and raw.lower() in ("none", "null") else raw
         values.update(overrides)
         return cls.model_validate(values)
 
@@ -134,15 +249,20 @@ class CPIndexConfig(BaseModel):
     def from_file(cls, path: str | os.PathLike[str]) -> CPIndexConfig:
         """Load from a ``.json``, ``.yaml`` or ``.yml`` file holding one mapping."""
         p = Path(path)
+        suffix = _suffix(p)
         text = p.read_text()
-        if p.suffix.lower() in (".yaml", ".yml"):
+        if suffix == "yaml":
             import yaml
 
-            data = yaml.safe_load(text)
-        elif p.suffix.lower() == ".json":
-            data = json.loads(text)
+            try:
+                data = yaml.safe_load(text)
+            except yaml.YAMLError as e:
+                raise ValueError(f"config file {p}: not valid YAML: {e}") from None
         else:
-            raise ValueError(f"config file {p} must end in .json, .yaml or .yml")
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"config file {p}: not valid JSON: {e}") from None
         if not isinstance(data, dict):
             raise ValueError(f"config file {p} must hold a mapping, got {type(data).__name__}")
         return cls.model_validate(data)
@@ -152,14 +272,25 @@ class CPIndexConfig(BaseModel):
         return self.model_dump_json(indent=2)
 
     def dump_file(self, path: str | os.PathLike[str]) -> None:
-        """Write the config to ``path`` (JSON or YAML by suffix)."""
+        """Write the config to ``path``: JSON for ``.json``, YAML for ``.yaml``/``.yml`` (the
+        suffixes :meth:`from_file` reads; any other is refused before anything is written)."""
         p = Path(path)
-        if p.suffix.lower() in (".yaml", ".yml"):
+        if _suffix(p) == "yaml":
             import yaml
 
             p.write_text(yaml.safe_dump(self.model_dump(), sort_keys=False))
         else:
             p.write_text(self.dump_json() + "\n")
+
+
+def _suffix(p: Path) -> str:
+    """``"json"`` or ``"yaml"`` by the file's suffix; ValueError for any other."""
+    suffix = p.suffix.lower()
+    if suffix == ".json":
+        return "json"
+    if suffix in (".yaml", ".yml"):
+        return "yaml"
+    raise ValueError(f"config file {p} must end in .json, .yaml or .yml")
 
 
 __all__ = ["CPIndexConfig", "CacheFormat", "TransportName", "ValidationError"]
