@@ -15,7 +15,9 @@ constexpr int kPageTokens = 128;
 constexpr int kHeadDim = 128;
 constexpr int kWarpsPerCta = 4;
 
-enum CacheFormat : int { kBF16 = 0, kFP8 = 1, kNVFP4 = 2 };
+// kNVFP4Narrow: nvfp4 whose value tokens are only 8-byte aligned (vLLM's 72-byte tokens). A
+// kernel of its own: one kernel with both load widths holds both paths' registers.
+enum CacheFormat : int { kBF16 = 0, kFP8 = 1, kNVFP4 = 2, kNVFP4Narrow = 3 };
 
 // Error codes written to ErrorWord::code (0 = fine). Shared with cpindex/kernels/errors.py.
 enum ErrorCode : uint32_t {

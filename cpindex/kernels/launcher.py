@@ -137,16 +137,20 @@ class KernelScorer:
         self._lut = nvfp4_lut().to(device) if fmt == "nvfp4" else None
         self._sms = torch.cuda.get_device_properties(device).multi_processor_count
         self._ranks_per_device = ranks_per_device
-        self._capacity: dict[int, int] = {}
+        self._capacity: dict[tuple[int, int], int] = {}
 
-    def grid(self, requests: int, width: int, push: bool, query_len: int = 1) -> int:
+    def grid(
+        self, requests: int, width: int, push: bool, query_len: int = 1, fmt_id: int | None = None
+    ) -> int:
         """Persistent grid from static sizes only; push grids must all be resident at once
         (every CTA may wait for peers) and deliver queries from CTAs 0..world-1."""
+        fid = self.fmt_id if fmt_id is None else fmt_id
         vectors = query_len * self.num_heads
-        cap = self._capacity.get(vectors)
-        if cap is None:  # the kernel instance (query tiles) depends on T * H
-            per_sm = self.mod.occupancy(self.fmt_id, vectors)
-            cap = self._capacity[vectors] = max(1, self._sms * per_sm // self._ranks_per_device)
+        cap = self._capacity.get((fid, vectors))
+        if cap is None:  # the kernel instance depends on the load width and on T * H
+            per_sm = self.mod.occupancy(fid, vectors)
+            cap = max(1, self._sms * per_sm // self._ranks_per_device)
+            self._capacity[(fid, vectors)] = cap
         items = requests * -(-width // self.world)
         ctas = min(-(-items // 4), cap)
         return max(ctas, self.world if push else 1)
@@ -200,12 +204,18 @@ class KernelScorer:
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
         params: torch.Tensor,
-        grid: int,
+        *,
+        width: int,
+        query_len: int,
         push: torch.Tensor | None = None,
     ) -> None:
         """One kernel launch on the current stream."""
         kv, ks = cache_parts(index_cache)
-        self.mod.score(q, kv, ks, block_table, seq_lens, params, push, self.fmt_id, grid)
+        fid = self.fmt_id
+        if ks is not None and kv.stride(1) % 16:  # 8-byte aligned nvfp4 tokens: its own kernel
+            fid = structs.NVFP4_NARROW
+        grid = self.grid(block_table.shape[0], width, push is not None, query_len, fid)
+        self.mod.score(q, kv, ks, block_table, seq_lens, params, push, fid, grid)
 
     def score_local(
         self,
@@ -254,5 +264,4 @@ class KernelScorer:
             if len(self._images) >= 256:  # fresh output tensors each call: keep this bounded
                 self._images.clear()
             self._images[key] = img
-        grid = self.grid(requests, width, False, query_len)
-        self.launch(q, index_cache, block_table, seq_lens, img, grid)
+        self.launch(q, index_cache, block_table, seq_lens, img, width=width, query_len=query_len)

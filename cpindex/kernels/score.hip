@@ -30,6 +30,9 @@
 #ifndef CP_NVFP4_BATCH  // nvfp4 tiles loaded before their math, for one query tile
 #define CP_NVFP4_BATCH 8
 #endif
+#ifndef CP_MAX_QUERY_TILES  // query n-tiles (8 vectors each) per pass over a page: 1, 2 or 4
+#define CP_MAX_QUERY_TILES 4
+#endif
 // With a ring, bf16/fp8 tiles go global -> shared by cp.async (each instruction reads 512
 // contiguous bytes, and loads stay in flight during the math) and reach the mma through ldmatrix.
 // A format whose ring would hold fewer than two 16-token tiles stays on registers; nvfp4 always
@@ -105,6 +108,12 @@ struct Fmt<kNVFP4> {
   CP_DEVICE static int elem(int b, int half) { return 2 * b + half; }
 };
 
+template <>
+struct Fmt<kNVFP4Narrow> : Fmt<kNVFP4> {};
+
+template <int F>
+constexpr bool kFp4 = F == kNVFP4 || F == kNVFP4Narrow;
+
 // The register path's shape: a group's 4 lanes read one token's bytes; batches tile a page (a
 // batch larger than a page is cut to one page).
 template <int F>
@@ -126,9 +135,9 @@ CP_DEVICE void load_tile(const ScoreParams& p, TileRegs<F>& t, const uint8_t* pa
 #pragma unroll
   for (int s = 0; s < 2; ++s) {
     const int tok = tile * kTileTokens + g + s * kGroups;
-    if constexpr (F == kNVFP4) {
+    if constexpr (kFp4<F>) {
       const uint8_t* src = page + tok * p.kv_token_stride + 16 * c;
-      if (p.kv_token_stride % 16 == 0) {
+      if constexpr (F == kNVFP4) {
         t.raw[s][0] = cp_load_stream16(src);
       } else {  // vLLM's 72-byte tokens: 8-byte aligned
         const uint2 a = cp_load_stream8(src), b = cp_load_stream8(src + 8);
@@ -548,13 +557,13 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   __shared__ __align__(128) uint8_t ring_all[kWarpsPerCta][kRing];
   uint8_t* ring = ring_all[warp];
 #endif
-  __shared__ uint2 lut[F == kNVFP4 ? 256 : 1];
+  __shared__ uint2 lut[kFp4<F> ? 256 : 1];
   __shared__ int cta_failed;
   __shared__ int is_last;
   uint64_t call = 0;
 
   if (failed(p)) return;  // an earlier call failed: the host raises; don't stall every replay
-  if constexpr (F == kNVFP4) {  // 2 KiB: one 16-byte load per thread
+  if constexpr (kFp4<F>) {  // 2 KiB: one 16-byte load per thread
     if (threadIdx.x < 128)
       reinterpret_cast<uint4*>(lut)[threadIdx.x] = reinterpret_cast<const uint4*>(p.fp4_lut)[threadIdx.x];
   }
@@ -641,7 +650,7 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
           else
 #endif
             score_page<F, NT>(p, p.kv + page * p.kv_page_stride,
-                              F == kNVFP4 ? p.ks + page * p.ks_page_stride : nullptr, limit, full,
+                              kFp4<F> ? p.ks + page * p.ks_page_stride : nullptr, limit, full,
                               cuts, q, q_smem, lut, g, c, val);
         }
         if (g == 0) {  // lanes 0..3 hold vectors (2c, 2c+1) of every n-tile
@@ -694,7 +703,10 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
 // fragment, so more than 4 tiles take several passes instead.
 int query_tiles(int vectors) {
 #if CP_USE_MMA
-  return vectors <= 8 ? 1 : vectors <= 16 ? 2 : 4;
+  static_assert(CP_MAX_QUERY_TILES == 1 || CP_MAX_QUERY_TILES == 2 || CP_MAX_QUERY_TILES == 4,
+                "CP_MAX_QUERY_TILES must be 1, 2 or 4");
+  const int tiles = vectors <= 8 ? 1 : vectors <= 16 ? 2 : 4;
+  return tiles < CP_MAX_QUERY_TILES ? tiles : CP_MAX_QUERY_TILES;
 #else
   (void)vectors;
   return 1;
@@ -739,6 +751,7 @@ int launch_score(const ScoreParams& p, const PushState* push, int format, int gr
     case kBF16: return launch_format<kBF16>(p, push, grid, stream);
     case kFP8: return launch_format<kFP8>(p, push, grid, stream);
     case kNVFP4: return launch_format<kNVFP4>(p, push, grid, stream);
+    case kNVFP4Narrow: return launch_format<kNVFP4Narrow>(p, push, grid, stream);
     default: return -1;
   }
 }
@@ -748,6 +761,7 @@ int score_occupancy(int format, int vectors, int* ctas_per_sm) {
     case kBF16: return occupancy_format<kBF16>(vectors, ctas_per_sm);
     case kFP8: return occupancy_format<kFP8>(vectors, ctas_per_sm);
     case kNVFP4: return occupancy_format<kNVFP4>(vectors, ctas_per_sm);
+    case kNVFP4Narrow: return occupancy_format<kNVFP4Narrow>(vectors, ctas_per_sm);
     default: return -1;
   }
 }

@@ -14,6 +14,8 @@ MAX_HEADS = 8
 MAX_WORLD = 16
 MAX_DST = 16
 FORMAT_IDS = {"bf16": 0, "fp8": 1, "nvfp4": 2}
+#: The kernel for nvfp4 values whose tokens are only 8-byte aligned (vLLM's 72-byte tokens).
+NVFP4_NARROW = 3
 ERR_TIMEOUT_QUERIES, ERR_TIMEOUT_SCORES, ERR_BAD_PAGE, ERR_WIDTH, ERR_LENGTH = 1, 2, 3, 4, 5
 ERR_MISMATCH = 6
 

@@ -165,7 +165,8 @@ class PushEngine:
             call.block_table,
             call.seq_lens,
             img,
-            self.scorer.grid(call.requests, width, push=True),
+            width=width,
+            query_len=call.query_len,
             push=self.push_image,
         )
         return self.recv[: self.hpr * rows * width].view(self.hpr, rows, width)
