@@ -12,10 +12,11 @@ class TransportUnavailable(CPIndexError):
 
 
 class PeerTimeoutError(CPIndexError):
-    """A rank waited longer than ``config.timeout_s`` for a peer.
+    """A rank waited longer than ``config.timeout_s`` for a peer (``peer``; -1 when the
+    backend cannot tell), in call ``call`` at ``phase``.
 
-    The instance refuses further calls until :meth:`cpindex.IndexCP.reset` (collective) or
-    :meth:`cpindex.IndexCP.close`.
+    From then on the instance refuses calls on this rank (:class:`BrokenInstanceError`, caused
+    by this error) until every rank calls :meth:`cpindex.IndexCP.reset`.
     """
 
     def __init__(self, message: str, *, rank: int, peer: int, call: int, phase: str) -> None:
@@ -31,6 +32,29 @@ class OutOfStepError(CPIndexError):
     def __init__(self, message: str, *, rank: int, peer: int, call: int) -> None:
         super().__init__(message)
         self.rank, self.peer, self.call = rank, peer, call
+
+
+class PeerConnectionError(CPIndexError):
+    """The backend lost its connection to a peer (its process died, or the network dropped):
+    the message carries the backend's own error. Not a timeout: it is raised as soon as the
+    backend reports it. The instance refuses calls until :meth:`cpindex.IndexCP.reset`, which
+    fails too while the peer is gone."""
+
+    def __init__(self, message: str, *, rank: int, call: int, phase: str) -> None:
+        super().__init__(message)
+        self.rank, self.call, self.phase = rank, call, phase
+
+
+class BrokenInstanceError(CPIndexError):
+    """A call on an instance whose earlier call failed on this rank. Ranks may be out of step,
+    so no call runs until every rank calls :meth:`cpindex.IndexCP.reset`; ``__cause__`` is the
+    original error."""
+
+
+class ConfigMismatchError(CPIndexError):
+    """Ranks built one instance from configurations that differ in a field every rank must
+    share (``CPIndexConfig.LOCAL_FIELDS`` are exempt), or would pick different transports. The
+    message names each field and every rank's value; every rank raises."""
 
 
 class BadBlockTableError(CPIndexError):

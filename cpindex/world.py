@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -32,13 +33,25 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 
 class CollectiveTimeout(RuntimeError):
-    """A tensor collective did not complete in time; ``late`` lists the ranks that had not
-    arrived (empty when the backend cannot tell)."""
+    """A collective or rendezvous did not complete in time; ``late`` lists the ranks that had
+    not arrived (empty when the backend cannot tell)."""
 
-    def __init__(self, what: str, late: list[int], *, reason: str | None = None) -> None:
+    def __init__(
+        self, what: str, late: list[int], *, reason: str | None = None, abandoned: bool = False
+    ) -> None:
         late_s = ", ".join(map(str, late)) if late else "unknown"
         super().__init__(f"{what} {reason or f'timed out; late ranks: {late_s}'}")
-        self.what, self.late = what, late
+        #: ``abandoned``: this rank did not wait out its timeout; others had given up already.
+        self.what, self.late, self.abandoned = what, late, abandoned
+
+
+class CollectiveFailed(RuntimeError):
+    """A collective or rendezvous failed before its timeout: the backend lost a connection
+    (a peer's process died) or the store is unreachable. ``detail`` is the backend's error."""
+
+    def __init__(self, what: str, detail: str) -> None:
+        super().__init__(f"{what} failed: {detail}")
+        self.what, self.detail = what, detail
 
 
 class Comm(Protocol):
@@ -66,10 +79,33 @@ class Comm(Protocol):
 
     def barrier(self) -> None: ...
 
+    def rendezvous(self, key: str, payload: str, timeout_s: float) -> list[str]:
+        """Every rank's ``payload`` for the round named ``key`` (each rank names it alike),
+        bounded by ``timeout_s``. A round has one outcome for all ranks: it completes for every
+        rank or for none. A rank whose wait runs out abandons it; every rank that was or will
+        be in it then raises :class:`CollectiveTimeout` naming the ranks that had not come, so
+        no rank goes on to a collective its peers will never post. Connection failures raise
+        :class:`CollectiveFailed`."""
+        ...
+
+    def forget(self, key: str) -> None:
+        """Release this rank's part of a completed round (once every rank is past it)."""
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Round numbers shared by every instance on this group in this process (rounds are
+        named by them, so every rank must count alike)."""
+        ...
+
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     # Backends disagree on fp8/bf16 support; bytes always travel.
     return t.contiguous().view(torch.uint8).view(-1)
+
+
+#: Per process group (by name): round counters and tensor-collective arrivals, shared by every
+#: TorchComm on the group, so two instances on one group count alike and name late ranks.
+_GROUP_STATE: dict[str, dict[str, int]] = {}
 
 
 class TorchComm:
@@ -80,6 +116,11 @@ class TorchComm:
     ranks that never came. With NCCL/RCCL the collective is enqueued on the stream and the
     host does not wait; a missing peer is caught by the backend's watchdog (the process
     group's ``timeout``), which the caller sets when creating the group.
+
+    :meth:`rendezvous` runs through the group's key-value store (``torch.distributed``'s
+    default store, under a per-group prefix) on every backend: a handful of small requests to
+    the store per round, host only, no collective posted. Without a reachable store object it
+    falls back to an unbounded ``all_gather_object``.
     """
 
     same_process = False
@@ -93,36 +134,91 @@ class TorchComm:
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.backend = str(dist.get_backend(self.group))
-        self._arrivals = 0
+        name = getattr(self.group, "group_name", "world")
+        self._state = _GROUP_STATE.setdefault(name, {"arrivals": 0})
         self._store = None
-        if self.backend == "gloo":
-            try:  # private but long-standing; without it timeouts just don't name ranks
-                base = dist.distributed_c10d._get_default_store()
-                name = getattr(self.group, "group_name", "world")
-                self._store = dist.PrefixStore(f"cpindex/{name}/", base)
-            except Exception:
-                self._store = None
+        try:  # private but long-standing; without it waits are unbounded and name no ranks
+            base = dist.distributed_c10d._get_default_store()
+            self._store = dist.PrefixStore(f"cpindex/{name}/", base)
+        except Exception:
+            self._store = None
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return self._state
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def rendezvous(self, key: str, payload: str, timeout_s: float) -> list[str]:
+        st = self._store
+        if st is None:
+            return self.all_gather_object(payload)
+        k, w = f"rv/{key}", self.world_size
+        what = f"rendezvous {key!r}"
+        try:
+            st.set(f"{k}/{self.rank}", payload)
+            waited_out = False
+            if st.add(f"{k}/n", 1) < w:
+                try:
+                    st.wait([f"{k}/o"], timedelta(seconds=timeout_s))
+                except dist.DistStoreError:
+                    waited_out = True  # or the store is gone: compare_set below tells
+            # The first rank to decide fixes the outcome for all: the last to arrive says "ok",
+            # a rank whose wait ran out first says "gone" (and arrivals after it see "gone").
+            # A rank woken by the outcome just reads it back (compare_set keeps a set value).
+            outcome = st.compare_set(f"{k}/o", "", "gone" if waited_out else "ok")
+            if outcome == b"ok":
+                values = st.multi_get([f"{k}/{r}" for r in range(w)])
+                return [v.decode() for v in values]
+            late = [r for r in range(w) if not st.check([f"{k}/{r}"])]
+        except dist.DistError as e:
+            raise CollectiveFailed(what, f"{type(e).__name__}: {e}") from None
+        if waited_out:
+            raise CollectiveTimeout(what, late)
+        raise CollectiveTimeout(
+            what,
+            late,
+            reason="was abandoned: another rank's wait ran out before this rank came",
+            abandoned=True,
+        )
+
+    def forget(self, key: str) -> None:
+        """Drop this rank's part of a finished round from the store (rank 0 also drops the
+        round's counter and outcome). Safe once every rank has entered a later round."""
+        st = self._store
+        if st is None:
+            return
+        k = f"rv/{key}"
+        try:
+            st.delete_key(f"{k}/{self.rank}")
+            if self.rank == 0:
+                st.delete_key(f"{k}/n")
+                st.delete_key(f"{k}/o")
+        except dist.DistError:
+            pass  # a failing store shows up in the next round, with its error
+
     def _bounded(self, what: str, start: Callable[[], Any], timeout_s: float | None) -> None:
         if timeout_s is None or self.backend != "gloo":
             start()
             return
-        self._arrivals += 1
+        self._state["arrivals"] += 1
+        mine = self._state["arrivals"]
         if self._store is not None:
-            self._store.add(str(self.rank), 1)
+            self._store.add(f"arrivals/{self.rank}", 1)
         work = start()
+        t0 = time.monotonic()
         try:
             work.wait(timedelta(seconds=timeout_s))
-        except RuntimeError:
+        except RuntimeError as e:
+            if time.monotonic() - t0 < 0.9 * timeout_s:  # not a timeout: a lost connection
+                raise CollectiveFailed(what, str(e)) from None
             late = []
             if self._store is not None:
-                counts = [self._store.add(str(r), 0) for r in range(self.world_size)]
-                late = [r for r, c in enumerate(counts) if c < self._arrivals]
+                counts = [self._store.add(f"arrivals/{r}", 0) for r in range(self.world_size)]
+                late = [r for r, c in enumerate(counts) if c < mine]
             raise CollectiveTimeout(what, late) from None
 
     def all_gather_into(
@@ -153,6 +249,16 @@ class TorchComm:
         dist.barrier(group=self.group)
 
 
+class _Round:
+    """One :meth:`ThreadWorld.rendezvous` round."""
+
+    def __init__(self, world_size: int) -> None:
+        self.slots: list[Any] = [None] * world_size
+        self.arrived: set[int] = set()
+        self.read = 0
+        self.outcome: str | None = None  # "ok" or "gone"
+
+
 class ThreadWorld:
     """Shared state of W in-process ranks (see :func:`run_threads`)."""
 
@@ -163,6 +269,44 @@ class ThreadWorld:
         self._slots: list[Any] = [None] * world_size
         self._rounds = [0] * world_size
         self._abandoned: str | None = None  # why the world was aborted, if it was
+        self._cond = threading.Condition()
+        self._rv: dict[str, _Round] = {}
+        self.counters: list[dict[str, int]] = [{"arrivals": 0} for _ in range(world_size)]
+
+    def rendezvous(self, rank: int, key: str, obj: Any, timeout_s: float) -> list[Any]:
+        """:meth:`Comm.rendezvous` for the in-process ranks. Unlike :meth:`exchange`, a round
+        that runs out of time leaves the world usable (later rounds work)."""
+        with self._cond:
+            r = self._rv.setdefault(key, _Round(self.world_size))
+            r.slots[rank] = obj
+            r.arrived.add(rank)
+            if len(r.arrived) == self.world_size and r.outcome is None:
+                r.outcome = "ok"
+                self._cond.notify_all()
+            waited_out = not self._cond.wait_for(
+                lambda: r.outcome is not None or self._abandoned is not None, timeout_s
+            )
+            if r.outcome is None:
+                r.outcome = "gone"  # by timeout or by an aborted world: gone for every rank
+                self._cond.notify_all()
+            late = sorted(set(range(self.world_size)) - r.arrived)
+            if r.outcome == "ok":
+                out = list(r.slots)
+                r.read += 1
+                if r.read == self.world_size:
+                    del self._rv[key]  # abandoned rounds stay, for the ranks still to come
+                return out
+        what = f"in-process rendezvous {key!r}"
+        if self._abandoned is not None:
+            raise CollectiveTimeout(what, late, reason=self._abandoned)
+        if waited_out:
+            raise CollectiveTimeout(what, late)
+        raise CollectiveTimeout(
+            what,
+            late,
+            reason="was abandoned: another rank's wait ran out before this rank came",
+            abandoned=True,
+        )
 
     def exchange(self, rank: int, obj: Any, timeout_s: float | None = None) -> list[Any]:
         """Everyone's ``obj``; raises :class:`CollectiveTimeout` naming the ranks that had not
@@ -182,8 +326,11 @@ class ThreadWorld:
 
     def abort(self, rank: int | None = None, error: BaseException | None = None) -> None:
         """Break every pending and future exchange (a rank failed: nobody waits for it)."""
-        if rank is not None and self._abandoned is None:
-            self._abandoned = f"abandoned: rank {rank} failed ({type(error).__name__})"
+        with self._cond:
+            if self._abandoned is None:
+                who = f"rank {rank} failed ({type(error).__name__})" if rank is not None else ""
+                self._abandoned = f"abandoned: {who or 'the world was aborted'}"
+            self._cond.notify_all()
         self._barrier.abort()
 
 
@@ -251,6 +398,16 @@ class ThreadComm:
 
     def barrier(self) -> None:
         self._world.exchange(self.rank, None)
+
+    def rendezvous(self, key: str, payload: str, timeout_s: float) -> list[str]:
+        return self._world.rendezvous(self.rank, key, payload, timeout_s)
+
+    def forget(self, key: str) -> None:
+        """Nothing to drop: a completed in-process round is gone once every rank read it."""
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return self._world.counters[self.rank]
 
 
 def _bytes_view(t: torch.Tensor) -> torch.Tensor:
@@ -399,15 +556,35 @@ def _process_entry(rank: int, world_size: int, port: int, backend: str, fn: Call
 
 
 def spawn_processes(
-    world_size: int, fn: Callable[..., None], *args: Any, backend: str = "gloo"
+    world_size: int,
+    fn: Callable[..., None],
+    *args: Any,
+    backend: str = "gloo",
+    timeout_s: float | None = None,
 ) -> None:
     """Runs ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes joined in one
-    ``torch.distributed`` group (loopback rendezvous). ``fn`` must be importable (top level)."""
+    ``torch.distributed`` group (loopback rendezvous). ``fn`` must be importable (top level).
+
+    With ``timeout_s``, processes still running after that many seconds are killed and
+    ``TimeoutError`` is raised (a test that would hang fails instead)."""
     import torch.multiprocessing as mp
 
-    mp.spawn(
+    ctx = mp.start_processes(
         _process_entry,
         args=(world_size, free_port(), backend, fn, args),
         nprocs=world_size,
-        join=True,
+        join=False,
+        start_method="spawn",
     )
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not ctx.join(timeout=None if deadline is None else 0.2):
+        if deadline is not None and time.monotonic() > deadline:
+            alive = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            for p in ctx.processes:
+                p.join(5)
+            raise TimeoutError(
+                f"spawn_processes: rank(s) {alive} still running after {timeout_s} s; killed"
+            )
