@@ -8,8 +8,11 @@ from .api import IndexCP, get, init, shutdown
 from .config import CPIndexConfig
 from .errors import (
     BadBlockTableError,
+    BrokenInstanceError,
+    ConfigMismatchError,
     CPIndexError,
     OutOfStepError,
+    PeerConnectionError,
     PeerTimeoutError,
     TransportUnavailable,
 )
@@ -18,10 +21,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BadBlockTableError",
+    "BrokenInstanceError",
     "CPIndexConfig",
     "CPIndexError",
+    "ConfigMismatchError",
     "IndexCP",
     "OutOfStepError",
+    "PeerConnectionError",
     "PeerTimeoutError",
     "TransportUnavailable",
     "get",
