@@ -128,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
         "requests, each scoring T rows",
     )
     b.add_argument(
+        "--select",
+        action="store_true",
+        help="transport A/B: also time select_blocks (topk 16) beside score_push + torch.topk, "
+        "with the bytes each exchange sends",
+    )
+    b.add_argument(
         "--graphs",
         action=argparse.BooleanOptionalAction,
         default=True,

@@ -24,6 +24,8 @@ from ..config import CPIndexConfig
 from ..world import Comm, TorchComm, run_threads, spawn_processes
 from .timing import summarize, synthetic_cache, synthetic_queries, time_calls, time_graph
 
+SELECT_TOPK = 16  # MiniMax-M3's sparse_topk_blocks
+
 
 @dataclass
 class Spec:
@@ -35,6 +37,7 @@ class Spec:
     graphs: bool
     iters: int
     query_len: int = 1  # query rows per request; ``rows`` counts requests
+    select: bool = False  # also time select_blocks and score_push + torch.topk (topk 16)
 
 
 def _problem(fmt: str, rows: int, ctx: int, t: int, device: torch.device) -> testing.Problem:
@@ -129,6 +132,8 @@ def _rank_job(comm: Comm, spec: Spec, device: torch.device) -> list[dict]:
                     rec[t] = summarize(_time(fn, spec, device, cp.capturable, comm))
                     rec[t]["graph"] = bool(spec.graphs and cp.capturable)
                     rec["transport_" + t] = cp.transport_name
+                    if spec.select:
+                        _time_selection(rec, t, cp, iq, args, kw, spec, device, comm)
                 comm.barrier()
                 if comm.rank == 0:  # alone on the device: share scoring and no-CP baseline
                     rec["score"] = summarize(_time(_share_fn(prob, comm, device), spec, device))
@@ -153,6 +158,24 @@ def _rank_job(comm: Comm, spec: Spec, device: torch.device) -> list[dict]:
     if bar is not None:
         bar.close()
     return out
+
+
+def _time_selection(rec, t, cp, iq, args, kw, spec, device, comm) -> None:
+    """``select_blocks`` (topk 16) beside ``score_push`` + ``torch.topk`` of its scores, and the
+    bytes each exchange sends per call from this rank."""
+
+    def select(i):
+        return cp.select_blocks(iq, *args, **kw, topk=SELECT_TOPK)
+
+    def push_topk(i):
+        out = cp.score_push(iq, *args, **kw)
+        return out.topk(min(SELECT_TOPK, out.shape[-1]), dim=-1)
+
+    rec[t + "_select"] = summarize(_time(select, spec, device, cp.capturable, comm))
+    rec[t + "_push_topk"] = summarize(_time(push_topk, spec, device, cp.capturable, comm))
+    rows, width = iq.shape[0], args[-1]
+    rec[t + "_bytes_scores"] = cp.exchange_bytes(rows, width)
+    rec[t + "_bytes_select"] = cp.exchange_bytes(rows, width, SELECT_TOPK)
 
 
 def _share_fn(prob: testing.Problem, comm: Comm, device: torch.device):
@@ -246,7 +269,27 @@ def line(r: dict, transports: list[str]) -> str:
 
 
 def table(rows: list[dict], transports: list[str]) -> str:
-    return "\n".join([header(transports), *(line(r, transports) for r in rows)])
+    out = [header(transports), *(line(r, transports) for r in rows)]
+    if any(t + "_select" in r for r in rows for t in transports):
+        out += ["", select_header(), *(select_line(r, t) for r in rows for t in transports)]
+    return "\n".join(out)
+
+
+def select_header() -> str:
+    return (
+        f"{'fmt':>5} {'rows':>4} {'T':>2} {'ctx':>5} {'transport':>10} {'push us':>9} "
+        f"{'select us':>10} {'sel/push':>8} {'push+topk us':>13} {'score B':>10} {'select B':>9}"
+    )
+
+
+def select_line(r: dict, t: str) -> str:
+    push, sel = r[t]["median_ms"], r[t + "_select"]["median_ms"]
+    ptk = r[t + "_push_topk"]["median_ms"]
+    return (
+        f"{r['format']:>5} {r['rows']:>4} {r.get('query_len', 1):>2} {r['context'] // 1024:>4}K "
+        f"{t:>10} {push * 1e3:>9.1f} {sel * 1e3:>10.1f} {sel / push:>7.2f}x {ptk * 1e3:>13.1f} "
+        f"{r[t + '_bytes_scores']:>10} {r[t + '_bytes_select']:>9}"
+    )
 
 
 def legend(spec: Spec, rows: list[dict]) -> str:
@@ -266,6 +309,9 @@ def legend(spec: Spec, rows: list[dict]) -> str:
             "  no-CP     one rank scoring every block for its own head (TP without CP)",
             "  CP gain   no-CP over the fastest transport",
             "  agree     every transport's output equals the single-device result, bit for bit",
+            "Selection (--select; topk 16): push = score_push; select = select_blocks;",
+            "  push+topk = score_push then torch.topk of its scores; score B / select B = bytes",
+            "  this rank sends its peers per call in the score / candidate exchange",
         ]
     )
 

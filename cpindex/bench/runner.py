@@ -82,6 +82,7 @@ def main(args: argparse.Namespace) -> dict:
             graphs=args.graphs,
             iters=args.iters or (50 if gpu else 5),
             query_len=_one_query_len(args.query_len),
+            select=args.select,
         )
         rows = ab.run(spec)
         print(ab.table(rows, spec.transports))
