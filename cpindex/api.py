@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import Literal, TypeVar, overload
 
 import torch
 import torch.distributed as dist
@@ -11,8 +13,10 @@ from . import formats
 from .config import CPIndexConfig
 from .errors import CPIndexError, add_note
 from .transports import Context, select
-from .validation import check_call
+from .validation import check_call, check_topk
 from .world import Comm, TorchComm
+
+R = TypeVar("R")
 
 
 def _default_device() -> torch.device:
@@ -26,8 +30,9 @@ class IndexCP:
 
     Construction is collective (every rank of the group, same config): the ranks agree on one
     transport (``config.transport``; ``"auto"`` picks the fastest all ranks can run), allocate
-    and exchange buffers, and self-test. After that, every rank calls :meth:`score_push` in the
-    same sequence, on one stream at a time (a second stream or micro-batch needs its own
+    and exchange buffers, and self-test. After that, every rank makes the same sequence of
+    calls (:meth:`select_blocks`, the block ids sparse attention reads, or :meth:`score_push`,
+    the scores), on one stream at a time (a second stream or micro-batch needs its own
     instance).
 
     Args:
@@ -75,7 +80,8 @@ class IndexCP:
 
     @property
     def capturable(self) -> bool:
-        """Whether ``score_push`` may be captured in a CUDA/HIP graph with this transport."""
+        """Whether ``score_push`` and ``select_blocks`` may be captured in a CUDA/HIP graph
+        with this transport."""
         return self.device.type == "cuda" and self._transport.capturable
 
     @property
@@ -130,20 +136,111 @@ class IndexCP:
             self.config, self.heads_per_rank, self.device, iq, index_cache, block_table,
             seq_lens, init_blocks, local_blocks, width, query_len,
         )  # fmt: skip
+        return self._run("score_push", lambda: self._transport.score_push(call))
+
+    @overload
+    def select_blocks(
+        self,
+        iq: torch.Tensor,
+        index_cache: formats.Cache,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        init_blocks: int = 0,
+        local_blocks: int = 1,
+        width: int | None = None,
+        *,
+        query_len: int = 1,
+        topk: int = 16,
+        return_scores: Literal[False] = False,
+    ) -> torch.Tensor: ...
+
+    @overload
+    def select_blocks(
+        self,
+        iq: torch.Tensor,
+        index_cache: formats.Cache,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        init_blocks: int = 0,
+        local_blocks: int = 1,
+        width: int | None = None,
+        *,
+        query_len: int = 1,
+        topk: int = 16,
+        return_scores: Literal[True],
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def select_blocks(
+        self,
+        iq: torch.Tensor,
+        index_cache: formats.Cache,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        init_blocks: int = 0,
+        local_blocks: int = 1,
+        width: int | None = None,
+        *,
+        query_len: int = 1,
+        topk: int = 16,
+        return_scores: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """This rank's heads' ``topk`` best blocks per row: what sparse attention reads
+        (docs/contract.md §6). Same inputs as :meth:`score_push`.
+
+        Per (head, row): the ``topk`` columns with the highest scores, forced blocks included,
+        ``-inf`` columns never, equal scores to the lower block id. Transports that can
+        (``collective``) exchange only each rank's ``topk`` candidates per (head, row), so the
+        exchange does not grow with ``width``; the others select from the pushed scores.
+
+        Args:
+            iq, index_cache, block_table, seq_lens, init_blocks, local_blocks, width,
+                query_len: as in :meth:`score_push`.
+            topk: blocks per (head, row), at most ``config.max_topk`` (MiniMax-M3: 16).
+            return_scores: also return each selected block's score.
+
+        Returns:
+            int32 ``[heads_per_rank, rows, topk]``: block ids in ascending order, then ``-1``
+            for each slot a row with fewer than ``topk`` blocks in its context leaves. With
+            ``return_scores``, also float32 ``[heads_per_rank, rows, topk]``, aligned with the
+            ids (``-inf`` where padded). Views valid until the next call.
+        """
+        if self._closed:
+            raise CPIndexError("select_blocks on a closed IndexCP")
+        if width is None and isinstance(block_table, torch.Tensor) and block_table.dim() == 2:
+            width = block_table.shape[1]
+        call = check_call(
+            self.config, self.heads_per_rank, self.device, iq, index_cache, block_table,
+            seq_lens, init_blocks, local_blocks, width, query_len,
+        )  # fmt: skip
+        k = check_topk(self.config, topk, return_scores)
+        ids, scores = self._run("select_blocks", lambda: self._transport.select_blocks(call, k))
+        return (ids, scores) if return_scores else ids
+
+    def _run(self, what: str, launch: Callable[[], R]) -> R:
+        """The one per-call path of every call: one caller at a time, a previous call's
+        recorded failure raised first (no sync), and ``error_check="sync"``."""
         if not self._busy.acquire(blocking=False):
             raise CPIndexError(
-                "score_push called concurrently on one IndexCP; one instance serves one stream "
+                f"{what} called concurrently on one IndexCP; one instance serves one stream "
                 "at a time (create one instance per stream or micro-batch)"
             )
         try:
-            self._transport.check()  # a previous call's recorded failure, no sync
-            out = self._transport.score_push(call)
+            self._transport.check()
+            out = launch()
             if self.config.error_check == "sync" and self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
                 self._transport.check()
             return out
         finally:
             self._busy.release()
+
+    def exchange_bytes(self, rows: int, width: int, topk: int | None = None) -> int:
+        """Bytes this rank sends its peers in one call's score (``topk=None``: ``score_push``)
+        or candidate (``select_blocks``) exchange; the query exchange, the same for both, is
+        not counted. ``collective``'s ``select_blocks``: ``(W-1) * heads_per_rank * rows *
+        topk * 8``, whatever the width; a score exchange: ``(W-1) * heads_per_rank * rows *
+        ceil(width / W) * 4``."""
+        return self._transport.exchange_bytes(rows, width, topk)
 
     def check(self) -> None:
         """Raise an error recorded by an earlier call (timeouts, bad block tables). Reads host

@@ -111,11 +111,47 @@ def block_scores(
     return out.float().to(device)
 
 
-def topk_blocks(scores: torch.Tensor, k: int = 16) -> torch.Tensor:
-    """The selection the scores feed: indices of the ``k`` best columns per head and row,
-    sorted ascending; ``-1`` where fewer than ``k`` columns are inside the context."""
-    k_eff = min(k, scores.shape[-1])
-    vals, idx = scores.topk(k_eff, dim=-1)
-    idx = torch.where(vals == float("-inf"), torch.full_like(idx, -1), idx)
-    idx, _ = idx.sort(dim=-1)
-    return idx
+def select_blocks(
+    q: torch.Tensor,
+    index_cache: formats.Cache,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    init_blocks: int,
+    local_blocks: int,
+    width: int,
+    sm_scale: float = 128**-0.5,
+    query_len: int = 1,
+    topk: int = 16,
+    return_scores: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The selection of docs/contract.md §6, from :func:`block_scores` (same arguments).
+
+    Per (head, row): the ``topk`` columns with the highest scores, forced blocks included and
+    ``-inf`` columns never; equal scores go to the lower block id. Written to be obviously right:
+    a stable sort by descending score keeps equal scores in ascending id order.
+
+    Returns:
+        int32 ``[H, rows, topk]``: the selected block ids in ascending order, then ``-1`` for
+        each slot left when the row has fewer than ``topk`` blocks in its context. With
+        ``return_scores``, also float32 ``[H, rows, topk]``: each id's score, ``-inf`` where
+        padded.
+    """
+    if topk < 1:
+        raise ValueError(f"topk: expected >= 1, got {topk}")
+    scores = block_scores(
+        q, index_cache, block_table, seq_lens, init_blocks=init_blocks,
+        local_blocks=local_blocks, width=width, sm_scale=sm_scale, query_len=query_len,
+    )  # fmt: skip
+    k = min(topk, width)
+    order = torch.sort(-scores, dim=-1, stable=True).indices[..., :k]
+    vals = scores.gather(-1, order)
+    chosen = vals > float("-inf")
+    # ascending ids, padding (past the context) after them
+    ids, perm = torch.where(chosen, order, width).sort(dim=-1, stable=True)
+    vals = vals.gather(-1, perm)
+    ids = torch.where(ids == width, -1, ids)
+    pad = topk - k
+    ids = torch.nn.functional.pad(ids, (0, pad), value=-1).to(torch.int32)
+    vals = torch.nn.functional.pad(vals, (0, pad), value=float("-inf"))
+    return (ids, vals) if return_scores else ids

@@ -175,6 +175,17 @@ def check_call(
     return Call(iq, index_cache, block_table, seq_lens, init_blocks, local_blocks, width, query_len)
 
 
+def check_topk(cfg: CPIndexConfig, topk: object, return_scores: object = False) -> int:
+    """Validates ``select_blocks``' own arguments; raises ``TypeError``/``ValueError`` naming
+    them. ``topk`` is bounded by ``config.max_topk``, which sized the result buffers."""
+    topk = _count("topk", topk, 1)
+    if topk > cfg.max_topk:
+        raise ValueError(f"topk: expected in [1, config.max_topk={cfg.max_topk}], got {topk}")
+    if not isinstance(return_scores, bool):
+        raise TypeError(f"return_scores: expected a bool, got {type(return_scores).__name__}")
+    return topk
+
+
 def _check_contents(
     cfg: CPIndexConfig,
     index_cache: formats.Cache,

@@ -1,6 +1,7 @@
 """The transport contract, the registry, and the one place a transport is chosen.
 
-Every transport implements ``score_push`` with the same result (docs/contract.md §5). Choosing is a
+Every transport implements ``score_push`` with the same result (docs/contract.md §5), and
+``select_blocks`` (§6) through a default that any transport can use or override. Choosing is a
 collective: each rank probes every candidate locally, the reports are all-gathered, and every
 rank picks the same first candidate that all ranks can run (and whose self-test passes on all
 ranks). A rank never decides alone: ranks on different transports would deadlock.
@@ -15,6 +16,7 @@ from typing import ClassVar
 
 import torch
 
+from .. import selection
 from ..config import CPIndexConfig
 from ..errors import TransportUnavailable
 from ..validation import Call
@@ -49,6 +51,7 @@ class Transport(ABC):
     """One way to run ``score_push``. Subclasses register themselves by ``name``."""
 
     name: ClassVar[str]
+    ctx: Context
 
     @classmethod
     @abstractmethod
@@ -63,6 +66,44 @@ class Transport(ABC):
     def score_push(self, call: Call) -> torch.Tensor:
         """This rank's ``[heads_per_rank, rows, width]`` scores, a view valid until the next
         call."""
+
+    def select_blocks(self, call: Call, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's heads' top ``topk`` blocks (docs/contract.md §6): int32 ids ascending,
+        ``-1``-padded, and their float32 scores, both ``[heads_per_rank, rows, topk]`` views
+        valid until the next call.
+
+        This default is right for every transport: ``score_push``, then the selection on this
+        rank's full score rows. A transport that can exchange candidates instead overrides it.
+        """
+        scores = self.score_push(call)
+        ctx = self.ctx
+        # One-process world, eager: the selection may allocate or sort, which can implicitly
+        # synchronize the device; meeting once every rank's push is launched, and again once
+        # the selection is enqueued, keeps that from sitting between two ranks' pushes
+        # (docs/design.md, the one-process world, rule 2). Graph replays hold no such work.
+        fence = (
+            ctx.comm.same_process
+            and ctx.device.type == "cuda"
+            and not torch.cuda.is_current_stream_capturing()
+        )
+        if fence:
+            ctx.comm.barrier()
+        outputs = self.__dict__.get("_select_outputs")
+        if outputs is None:
+            outputs = self._select_outputs = selection.Outputs(
+                ctx.config, ctx.heads_per_rank, ctx.device
+            )
+        ids, vals = outputs.views(call.rows, topk)
+        selection.select(scores, topk, ids, vals)
+        if fence:
+            ctx.comm.barrier()
+        return ids, vals
+
+    def exchange_bytes(self, rows: int, width: int, topk: int | None = None) -> int:
+        """Bytes this rank sends its peers in one call's score or candidate exchange:
+        ``score_push`` (``topk=None``) or ``select_blocks``. The query exchange, the same for
+        both calls, is not counted. The default ``select_blocks`` moves whole score rows."""
+        return selection.score_bytes(self.ctx.config, self.ctx.world, rows, width)
 
     @property
     def capturable(self) -> bool:

@@ -5,13 +5,17 @@
    mode on GPU, the reference on CPU) into a ``[H, rows, ceil(width / W)]`` shard;
 3. all-to-all the shard so rank d receives its heads' columns from every rank;
 4. interleave the W shards back into ``[heads_per_rank, rows, width]``.
+
+``select_blocks`` exchanges candidates instead of scores: after step 2, each rank keeps the top
+``topk`` of its share per (head, row) as packed (score, block id) keys, the all-to-all carries
+only those, and each head's owner merges ``W * topk`` of them (docs/contract.md §6).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .. import formats, partition, reference
+from .. import formats, partition, reference, selection
 from ..errors import PeerTimeoutError
 from ..kernels.launcher import ErrorMonitor, KernelScorer
 from ..validation import Call
@@ -39,6 +43,12 @@ class CollectiveTransport(Transport):
         self._shard = torch.empty(cfg.num_heads * cfg.max_rows * kw, device=dev)
         self._recv = torch.empty(w * hpr * cfg.max_rows * kw, device=dev)
         self._out = torch.empty(hpr * cfg.max_rows * cfg.max_width, device=dev)
+        self._cand = torch.empty(
+            w * hpr * cfg.max_rows * cfg.max_topk, dtype=torch.int64, device=dev
+        )
+        self._selected = selection.Outputs(cfg, hpr, dev)
+        # Block id of each shard column: column k of rank r is block r + W*k.
+        self._cols = torch.arange(kw, device=dev) * w + ctx.rank
         # Which of the shard's heads go to each destination (replicated heads: d % H).
         self._send_heads = (
             None
@@ -74,6 +84,51 @@ class CollectiveTransport(Transport):
         return src.permute(1, 0, 2, 3).reshape(rows, h, d)
 
     def score_push(self, call: Call) -> torch.Tensor:
+        w, hpr = self.ctx.world, self.ctx.heads_per_rank
+        rows, width = call.rows, call.width
+        shard, kw = self._score_share(call)
+        send = shard if self._send_heads is None else shard.index_select(0, self._send_heads)
+        recv = self._recv[: w * hpr * rows * kw].view(w, hpr, rows, kw)
+        self._collective(
+            "all-to-all of scores", self.ctx.comm.all_to_all_into, recv, send.view(w, hpr, rows, kw)
+        )
+        out = self._out[: hpr * rows * width].view(hpr, rows, width)
+        # Column src + W*k of the output is column k of rank src's shard.
+        out.copy_(recv.permute(1, 2, 3, 0).reshape(hpr, rows, kw * w)[:, :, :width])
+        return out
+
+    def select_blocks(self, call: Call, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Candidate exchange: the global top-k lies in the union of the ranks' top-k of their
+        shares, so merging ``W * topk`` candidates is exact, and the payload (``topk`` 8-byte
+        keys per row and head) does not grow with ``width``."""
+        w, hpr = self.ctx.world, self.ctx.heads_per_rank
+        rows, width = call.rows, call.width
+        shard, kw = self._score_share(call)
+        cols = self._cols[:kw]
+        # Shard columns past width (the last one on some ranks) hold no block: FILLER keys.
+        local = selection.top_keys(selection.pack(shard, cols, cols < width), topk)
+        send = local if self._send_heads is None else local.index_select(0, self._send_heads)
+        recv = self._cand[: w * hpr * rows * topk].view(w, hpr, rows, topk)
+        self._collective(
+            "all-to-all of candidates",
+            self.ctx.comm.all_to_all_into,
+            recv,
+            send.reshape(w, hpr, rows, topk),
+        )
+        merged = recv.permute(1, 2, 0, 3).reshape(hpr, rows, w * topk)
+        ids, scores = self._selected.views(rows, topk)
+        selection.finish(selection.top_keys(merged, topk), ids, scores)
+        return ids, scores
+
+    def exchange_bytes(self, rows: int, width: int, topk: int | None = None) -> int:
+        cfg, w = self.ctx.config, self.ctx.world
+        if topk is None:
+            return selection.score_bytes(cfg, w, rows, width)
+        return selection.candidate_bytes(cfg, w, rows, topk)
+
+    def _score_share(self, call: Call) -> tuple[torch.Tensor, int]:
+        """Steps 1-2: gather every rank's queries, score this rank's share of every row's
+        blocks for all heads. Returns the ``[H, rows, kw]`` shard and ``kw``."""
         cfg, w, rank, hpr = self.ctx.config, self.ctx.world, self.ctx.rank, self.ctx.heads_per_rank
         rows, width, d = call.rows, call.width, cfg.head_dim
         kw = partition.shard_width(width, w)
@@ -111,16 +166,7 @@ class CollectiveTransport(Transport):
                 columns=cols,
                 query_len=call.query_len,
             )
-
-        send = shard if self._send_heads is None else shard.index_select(0, self._send_heads)
-        recv = self._recv[: w * hpr * rows * kw].view(w, hpr, rows, kw)
-        self._collective(
-            "all-to-all of scores", self.ctx.comm.all_to_all_into, recv, send.view(w, hpr, rows, kw)
-        )
-        out = self._out[: hpr * rows * width].view(hpr, rows, width)
-        # Column src + W*k of the output is column k of rank src's shard.
-        out.copy_(recv.permute(1, 2, 3, 0).reshape(hpr, rows, kw * w)[:, :, :width])
-        return out
+        return shard, kw
 
     def _collective(self, what: str, fn, out: torch.Tensor, inp: torch.Tensor) -> None:
         try:
