@@ -3,7 +3,7 @@
 Spawns a W-rank world (gloo processes on a CPU machine, NCCL processes with W GPUs, the
 one-process world on a single GPU), builds one random ragged decode step, runs ``score_push`` on
 every rank, checks each rank's scores against the single-process reference, runs the top-16
-selection the scores feed, and prints a short summary.
+selection (``select_blocks``) against the reference's, and prints a short summary.
 """
 
 from __future__ import annotations
@@ -50,23 +50,19 @@ def _rank_job(comm: Comm, args: DemoArgs, device: torch.device) -> dict:
                 torch.cuda.current_stream().synchronize()
             times.append(time.perf_counter() - t0)
         out = out.clone()
-        want = reference.block_scores(
-            prob.q,
-            prob.index_cache,
-            prob.block_table,
-            prob.seq_lens,
-            init_blocks=0,
-            local_blocks=1,
-            width=prob.width,
-            sm_scale=cfg.sm_scale,
-        )[partition.heads_of_rank(comm.rank, cfg.num_heads, comm.world_size)]
+        picked = cp.select_blocks(
+            iq, prob.index_cache, prob.block_table, prob.seq_lens, 0, 1, prob.width
+        ).clone()
+        heads = partition.heads_of_rank(comm.rank, cfg.num_heads, comm.world_size)
+        kw = dict(init_blocks=0, local_blocks=1, width=prob.width, sm_scale=cfg.sm_scale)
+        inputs = (prob.q, prob.index_cache, prob.block_table, prob.seq_lens)
+        want = reference.block_scores(*inputs, **kw)[heads]
+        picked_ref = reference.select_blocks(*inputs, **kw)[heads]
         finite = torch.isfinite(want)
         err = (out - want).abs()[finite].max().item() if finite.any() else 0.0
         scale = want[finite].abs().max().item() if finite.any() else 1.0
         same_inf = torch.equal(torch.isinf(out), torch.isinf(want))
         match = same_inf and err <= 1e-3 * max(scale, 1.0)
-        picked = reference.topk_blocks(out.float(), 16)
-        picked_ref = reference.topk_blocks(want, 16)
         scanned = partition.scanned_blocks(prob.seq_lens, comm.rank, comm.world_size, 0, 1)
         return {
             "rank": comm.rank,

@@ -5,8 +5,10 @@
 * ``cpindex::score_push``: an :class:`~cpindex.IndexCP` call by handle. Custom ops must return
   fresh tensors, so this returns a copy of the view ``IndexCP.score_push`` returns (one
   ``rows x width`` float copy); eager code should call ``IndexCP.score_push`` directly.
+* ``cpindex::select_blocks``: :meth:`~cpindex.IndexCP.select_blocks` by handle; returns copies
+  of the ids and the scores (``rows x topk`` each).
 
-Both have fake (meta) implementations that only compute output shapes.
+All have fake (meta) implementations that only compute output shapes.
 """
 
 from __future__ import annotations
@@ -171,7 +173,61 @@ def score_push(
     )  # fmt: skip
 
 
+@torch.library.custom_op("cpindex::select_blocks", mutates_args=())
+def _select_blocks(
+    handle: int,
+    iq: torch.Tensor,
+    cache: torch.Tensor,
+    scales: torch.Tensor | None,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    init_blocks: int,
+    local_blocks: int,
+    width: int,
+    query_len: int = 1,
+    topk: int = 16,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    cp = _instances[handle]
+    ids, scores = cp.select_blocks(
+        iq, _join(cache, scales), block_table, seq_lens, init_blocks, local_blocks, width,
+        query_len=query_len, topk=topk, return_scores=True,
+    )  # fmt: skip
+    return ids.clone(), scores.clone()
+
+
+@_select_blocks.register_fake
+def _(handle, iq, cache, scales, block_table, seq_lens, init, local, width, t=1, topk=16):
+    hpr = iq.shape[1] if iq.dim() == 3 else 1  # from iq, not the handle (see score_push's)
+    shape = (hpr, iq.shape[0], topk)
+    return iq.new_empty(shape, dtype=torch.int32), iq.new_empty(shape, dtype=torch.float32)
+
+
+def select_blocks(
+    cp: IndexCP,
+    iq: torch.Tensor,
+    index_cache: formats.Cache,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    init_blocks: int = 0,
+    local_blocks: int = 1,
+    width: int | None = None,
+    *,
+    query_len: int = 1,
+    topk: int = 16,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cp.select_blocks(..., return_scores=True)`` as a custom op: copies of the int32 ids and
+    float32 scores ``[heads_per_rank, rows, topk]``. Inside ``torch.compile`` call
+    ``torch.ops.cpindex.select_blocks(handle(cp), ...)`` with the handle taken outside."""
+    cache, scales = _split(index_cache)
+    width = block_table.shape[1] if width is None else width
+    return torch.ops.cpindex.select_blocks(
+        handle(cp), iq, cache, scales, block_table, seq_lens, init_blocks, local_blocks, width,
+        query_len, topk,
+    )  # fmt: skip
+
+
 def handle(cp: IndexCP) -> int:
-    """An int naming ``cp`` for the ``cpindex::score_push`` op (kept while ``cp`` lives)."""
+    """An int naming ``cp`` for the ``cpindex::score_push`` and ``cpindex::select_blocks`` ops
+    (kept while ``cp`` lives)."""
     _instances[id(cp)] = cp
     return id(cp)

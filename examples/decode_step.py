@@ -18,8 +18,8 @@ shows the one-process world that can). Every process:
 5. checks this rank's scores against ``cpindex.reference.block_scores`` every step;
 6. calls ``cpindex.shutdown()`` at the end.
 
-The ids sparse attention would read come from the scores' top 16 (``cpindex.reference.topk_blocks``
-here; docs/contract.md §6).
+The ids sparse attention reads come from ``select_blocks`` (same inputs; docs/contract.md §6),
+called here once per step after the scores are checked.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def decode(rank: int, world: int, steps: int, fmt: str, device: torch.device) ->
             width=MAX_BLOCKS, query_len=T, sm_scale=cp.config.sm_scale,
         )[heads[0] : heads[-1] + 1]  # fmt: skip
         check(out, want, rank, step)
-        top = reference.topk_blocks(out, 16)  # what sparse attention would read
+        top = cp.select_blocks(*args, query_len=T)  # what sparse attention reads: [hpr, rows, 16]
         if rank == 0:
             print(f"step {step}: {REQUESTS} requests x {T} tokens, lengths {cache.lens}, "
                   f"{'graph replay' if graph is not None else 'eager call'}; matches the "

@@ -284,51 +284,107 @@ def test_columns_subset_equals_slicing(fmt):
         assert torch.equal(part, full[:, :, cols.long()])
 
 
-# --------------------------------------------------------------------------- topk_blocks
+# --------------------------------------------------------------------------- select_blocks
 
 
-def _topk_oracle(scores: torch.Tensor, k: int) -> torch.Tensor:
+def _select_oracle(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """docs/contract.md §6 in plain Python: the k best columns by (score desc, id asc), -inf
+    never, ids ascending with -1 after them; scores aligned, -inf where padded."""
     h, rows, width = scores.shape
-    k_eff = min(k, width)
-    out = torch.empty(h, rows, k_eff, dtype=torch.int64)
+    ids = torch.full((h, rows, k), -1, dtype=torch.int32)
+    vals = torch.full((h, rows, k), -math.inf)
     for a in range(h):
         for i in range(rows):
-            vals = scores[a, i].tolist()
-            order = sorted(range(width), key=lambda j: -vals[j])[:k_eff]
-            picked = sorted(-1 if vals[j] == -math.inf else j for j in order)
-            out[a, i] = torch.tensor(picked)
-    return out
+            v = scores[a, i].tolist()
+            best = sorted(range(width), key=lambda j: (-v[j], j))[:k]
+            picked = sorted(j for j in best if v[j] != -math.inf)
+            ids[a, i, : len(picked)] = torch.tensor(picked, dtype=torch.int32)
+            vals[a, i, : len(picked)] = torch.tensor([v[j] for j in picked])
+    return ids, vals
 
 
-@pytest.mark.parametrize("k", [16, 4, 1, 40])
-def test_topk_blocks(k):
-    lengths = [1, 128 * 3, 128 * 16, 128 * 16 + 1, 128 * 30 - 5, 128 * 17]
-    prob = _problem("nvfp4", lengths, seed=8, width=32)
-    scores = reference.block_scores(
-        prob.q, prob.index_cache, prob.block_table, prob.seq_lens,
-        init_blocks=1, local_blocks=1, width=prob.width,
-    )  # fmt: skip
-    got = reference.topk_blocks(scores, k)
-    assert got.shape == (4, len(lengths), min(k, prob.width))
-    assert torch.equal(got, _topk_oracle(scores, k))
-    # sorted ascending, -1 only where fewer than k blocks are in the context
-    assert bool((got[..., 1:] >= got[..., :-1]).all())
+def _select(prob, init, local, topk, width=None):
+    args = (prob.q, prob.index_cache, prob.block_table, prob.seq_lens)
+    kw = dict(init_blocks=init, local_blocks=local, width=width or prob.width,
+              query_len=prob.query_len)  # fmt: skip
+    ids, vals = reference.select_blocks(*args, topk=topk, return_scores=True, **kw)
+    want = _select_oracle(reference.block_scores(*args, **kw), topk)
+    return (ids, vals), want
+
+
+def _assert_selected(got, want) -> None:
+    assert got[0].dtype == torch.int32 and got[1].dtype == torch.float32
+    assert torch.equal(got[0], want[0])
+    assert torch.equal(got[1], want[1])
+
+
+SELECT_LENGTHS = [1, 128 * 3, 128 * 16, 128 * 16 + 1, 128 * 30 - 5, 128 * 17, 129]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("topk", [16, 1, 5, 64])
+def test_select_blocks_matches_oracle(fmt, topk):
+    prob = _problem(fmt, SELECT_LENGTHS, seed=8, width=32)
+    for init, local in [(0, 1), (1, 1), (2, 3)]:
+        got, want = _select(prob, init, local, topk)
+        assert got[0].shape == (4, len(SELECT_LENGTHS), topk)
+        _assert_selected(got, want)
+    # ascending, -1 only after the ids and only where fewer than topk blocks are in context
+    ids = got[0]
     n = ((prob.seq_lens.long() + 127) // 128).tolist()
-    k_eff = min(k, prob.width)
     for i, ni in enumerate(n):
-        pad = max(0, k_eff - ni)
-        assert bool((got[:, i, :pad] == -1).all())
-        assert bool((got[:, i, pad:] >= 0).all())
-        if k_eff >= 2 and ni >= 2:  # both forced blocks are always selected
-            assert bool((got[:, i] == 0).any(-1).all())
-            assert bool((got[:, i] == ni - 1).any(-1).all())
+        have = min(topk, ni)
+        assert bool((ids[:, i, :have] >= 0).all()) and bool((ids[:, i, have:] == -1).all())
+        assert bool((ids[:, i, 1:have] > ids[:, i, : have - 1]).all())
 
 
-def test_topk_blocks_default_is_16():
-    scores = torch.randn(2, 3, 40, generator=torch.Generator().manual_seed(0))
-    got = reference.topk_blocks(scores)
-    assert got.shape == (2, 3, 16)
-    assert torch.equal(got, _topk_oracle(scores, 16))
+@pytest.mark.parametrize("query_len", [1, 4])
+def test_select_blocks_multi_token_requests(query_len):
+    lengths = [query_len, 130, 128 * 20 + 3, 257 + query_len]
+    prob = _problem("nvfp4", lengths, seed=40 + query_len, query_len=query_len)
+    got, want = _select(prob, 1, 1, 16)
+    assert got[0].shape == (4, len(lengths) * query_len, 16)
+    _assert_selected(got, want)
+
+
+def test_select_blocks_ties_go_to_the_lower_block_id():
+    """Every block of a row on one page: all scanned blocks score exactly the same, so the
+    selection is the forced blocks plus the lowest ids."""
+    prob = _problem("fp8", [128 * 30, 128 * 10 + 5, 128 * 40], seed=12, width=40)
+    prob.block_table[:] = prob.block_table[:, :1]
+    got, want = _select(prob, 1, 2, 6)
+    _assert_selected(got, want)
+    assert got[0][:, 0].tolist() == [[0, 1, 2, 3, 28, 29]] * 4  # init 0, local 28-29
+    assert got[0][:, 1].tolist() == [[0, 1, 2, 3, 9, 10]] * 4
+    assert bool((got[1][:, 0, 1:4] == got[1][:, 0, 1:2]).all())  # really tied
+
+
+def test_select_blocks_forced_blocks_beyond_topk():
+    """More forced blocks than topk: init (1e30) beats local (1e29), lower ids first."""
+    prob = _problem("bf16", [128 * 12, 128 * 5], seed=13)
+    got, want = _select(prob, 3, 4, 2)
+    _assert_selected(got, want)
+    assert got[0][:, 0].tolist() == [[0, 1]] * 4
+    got, _ = _select(prob, 1, 4, 3)
+    assert got[0][:, 0].tolist() == [[0, 8, 9]] * 4  # init 0, then local 8-11's lowest
+    assert got[1][0, 0].tolist() == torch.tensor([1e30, 1e29, 1e29]).tolist()
+
+
+def test_select_blocks_width_and_topk_beyond_the_context():
+    prob = _problem("nvfp4", [1, 200, 640], seed=14)
+    got, want = _select(prob, 0, 1, 8, width=prob.width + 3)
+    _assert_selected(got, want)
+    assert got[0][0].tolist() == [[0] + [-1] * 7, [0, 1] + [-1] * 6, [0, 1, 2, 3, 4] + [-1] * 3]
+    assert bool(torch.isneginf(got[1][0, 0, 1:]).all())
+
+
+def test_select_blocks_defaults_and_errors():
+    prob = _problem("fp8", [128 * 40, 300], seed=15, width=40)
+    args = (prob.q, prob.index_cache, prob.block_table, prob.seq_lens)
+    ids = reference.select_blocks(*args, init_blocks=0, local_blocks=1, width=40)
+    assert isinstance(ids, torch.Tensor) and ids.shape == (4, 2, 16)
+    with pytest.raises(ValueError, match="topk"):
+        reference.select_blocks(*args, init_blocks=0, local_blocks=1, width=40, topk=0)
 
 
 # --------------------------------------------------------------------------- speed

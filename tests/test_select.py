@@ -1,0 +1,362 @@
+"""``select_blocks`` end to end on the CPU: real gloo process groups (1, 2 and 4 processes) and
+the in-process world (2 and 4 ranks). Every rank's ids (and scores) must equal the reference
+selection's rows for that rank's heads exactly, both through ``collective``'s candidate exchange
+and through the default every transport can use (``score_push``, then a local selection).
+
+Each world is started once (module cache) and runs every case; the rank functions only call and
+save clones, and the checks run here in the test process.
+"""
+
+from __future__ import annotations
+
+import functools
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+import cpindex
+from cpindex import formats, ops, partition, reference, selection, testing
+from cpindex.config import CPIndexConfig
+from cpindex.transports.base import Transport
+from cpindex.validation import check_call
+from cpindex.world import run_threads, spawn_processes
+
+MAX_REQUESTS, MAX_T, MAX_WIDTH, MAX_TOPK = 5, 4, 80, 64
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    fmt: str = "nvfp4"  # bf16 | fp8 | nvfp4 | nvfp4-pair | nvfp4-vllm
+    heads: int = 4
+    lengths: tuple[int, ...] | None = None  # None: random ragged lengths
+    requests: int = 4
+    max_len: int = 40 * 128
+    query_len: int = 1
+    width_extra: int = 0
+    init: int = 0
+    local: int = 1
+    topk: int = 16
+    one_page: bool = False  # every block of a row on one page: exact ties
+    two_dim: bool = False
+    seed: int = 0
+
+    @property
+    def base_fmt(self) -> str:
+        return self.fmt.split("-")[0]
+
+    def problem(self) -> testing.Problem:
+        lens = None if self.lengths is None else torch.tensor(self.lengths)
+        prob = testing.make_problem(
+            self.requests if lens is None else len(lens),
+            self.max_len if lens is None else max(self.lengths),
+            self.base_fmt,
+            query_len=self.query_len,
+            num_heads=self.heads,
+            seed=self.seed,
+            lengths=lens,
+            nvfp4_pair=self.fmt.endswith("-pair"),
+        )
+        if self.fmt.endswith("-vllm"):
+            prob.index_cache = formats.to_vllm_layout(prob.index_cache)
+        if self.one_page:
+            prob.block_table[:] = prob.block_table[:, :1]
+        prob.width += self.width_extra
+        return prob
+
+
+FORMATS = ["bf16", "fp8", "nvfp4", "nvfp4-pair", "nvfp4-vllm"]
+
+
+def cases(world: int) -> list[Case]:
+    out: list[Case] = []
+    for k, fmt in enumerate(FORMATS):
+        s = 10 * k
+        out += [
+            Case(f"{fmt}/t1-ragged", fmt, seed=s),
+            Case(f"{fmt}/t4-ragged", fmt, query_len=4, init=1, seed=s + 1),
+            Case(f"{fmt}/short-rows", fmt, lengths=(1, 129, 900, 15 * 128 + 3), seed=s + 2),
+        ]
+    out += [
+        # exact ties inside and across ranks' shares; forced blocks among them
+        Case("ties/one-page", "fp8", one_page=True, init=1, local=2, seed=100),
+        Case("ties/one-page-t4", "nvfp4", one_page=True, query_len=4, seed=101),
+        Case("ties/one-page-topk1", "bf16", one_page=True, local=0, topk=1, seed=102),
+        Case("forced/more-than-topk", "fp8", init=3, local=4, topk=2, seed=103),
+        Case("forced/init2-local3", "nvfp4", init=2, local=3, seed=104),
+        Case("forced/none", "nvfp4", init=0, local=0, seed=105),
+        Case("topk/1", "nvfp4", topk=1, seed=106),
+        Case("topk/64", "nvfp4", max_len=MAX_WIDTH * 128, topk=64, seed=107),
+        Case("topk/64-t4", "fp8", max_len=MAX_WIDTH * 128, query_len=4, topk=64, seed=108),
+        Case("width/gt-needed", "nvfp4", width_extra=9, init=1, seed=109),
+        Case("width/1", "fp8", lengths=(100, 1, 128), seed=110),
+        # head layouts: several heads per rank, one (2-D iq), replicated heads
+        Case("heads8/ragged", "fp8", heads=8, seed=120),
+        Case("heads2/ragged", "nvfp4", heads=2, query_len=4, seed=121),
+        Case("heads1/two-dim-iq", "nvfp4", heads=1, two_dim=True, seed=122),
+        # consecutive calls growing and shrinking on one instance
+        Case("seq/big", "fp8", requests=MAX_REQUESTS, max_len=MAX_WIDTH * 128, topk=64, seed=130),
+        Case("seq/small", "fp8", lengths=(300,), topk=3, seed=131),
+        Case("seq/mid-t4", "fp8", lengths=(700, 4, 1200), query_len=4, seed=132),
+        Case("seq/big-again", "fp8", requests=MAX_REQUESTS, max_len=MAX_WIDTH * 128 - 7,
+             seed=133),
+    ]  # fmt: skip
+    return out
+
+
+def _config(fmt: str, heads: int, transport: str = "auto") -> CPIndexConfig:
+    return CPIndexConfig(
+        transport=transport,
+        cache_format=fmt,
+        num_heads=heads,
+        max_rows=MAX_REQUESTS * MAX_T,
+        max_query_len=MAX_T,
+        max_width=MAX_WIDTH,
+        max_topk=MAX_TOPK,
+    )
+
+
+def _poison(cp: cpindex.IndexCP) -> None:
+    """Fill the transport's work and result buffers with values that would show in (or win)
+    the output if a call read anything it did not write itself."""
+    t = cp._transport
+    for name, v in vars(t).items():
+        if isinstance(v, torch.Tensor) and v.dtype == torch.float32:
+            v.fill_(float("nan"))
+        elif isinstance(v, torch.Tensor) and name == "_cand":
+            v.fill_(torch.iinfo(torch.int64).max)  # the best key there is
+        elif isinstance(v, selection.Outputs):
+            v._ids.fill_(12345)
+            v._scores.fill_(float("nan"))
+
+
+def _run_cases(rank: int, world: int, comm) -> dict:
+    """Every case on this rank; ``comm`` None means the default torch.distributed group."""
+    instances: dict[tuple[str, int], cpindex.IndexCP] = {}
+    outs: dict[str, dict] = {}
+    for case in cases(world):
+        key = (case.base_fmt, case.heads)
+        cp = instances.get(key)
+        if cp is None:
+            transport = "collective" if len(instances) % 2 else "auto"
+            cp = instances[key] = cpindex.IndexCP(_config(*key, transport), device="cpu", comm=comm)
+        prob = case.problem()
+        iq = prob.rank_queries(rank, world)
+        if case.two_dim:
+            iq = iq[:, 0]
+        args = (iq, prob.index_cache, prob.block_table, prob.seq_lens, case.init, case.local)
+        kw = dict(query_len=case.query_len, topk=case.topk)
+        _poison(cp)
+        ids, scores = cp.select_blocks(*args, prob.width, return_scores=True, **kw)
+        res = {"ids": ids.clone(), "scores": scores.clone()}
+        if case.name.startswith("ties/"):  # the ids-only return, on a few cases
+            res["plain"] = cp.select_blocks(*args, prob.width, **kw).clone()
+        _poison(cp)
+        call = check_call(
+            cp.config, cp.heads_per_rank, cp.device, iq, prob.index_cache, prob.block_table,
+            prob.seq_lens, case.init, case.local, prob.width, case.query_len,
+        )  # fmt: skip
+        ids, scores = Transport.select_blocks(cp._transport, call, case.topk)
+        res["default_ids"], res["default_scores"] = ids.clone(), scores.clone()
+        res["bytes"] = cp.exchange_bytes(prob.rows, prob.width, case.topk)
+        res["score_bytes"] = cp.exchange_bytes(prob.rows, prob.width)
+        res["transport"] = cp.transport_name
+        outs[case.name] = res
+    for cp in instances.values():
+        cp.close()
+    return outs
+
+
+def gloo_rank(rank: int, world: int, out_dir: str) -> None:
+    torch.set_num_threads(1)  # W processes share CI's 2 cores
+    try:
+        res: dict | str = _run_cases(rank, world, None)
+    except BaseException:
+        res = traceback.format_exc()
+    torch.save(res, Path(out_dir) / f"rank{rank}.pt")
+
+
+# --------------------------------------------------------------------------- worlds (cached)
+
+_WORLDS: dict[tuple[str, int], list[dict] | Exception] = {}
+
+
+def _world(kind: str, world: int, tmp_path_factory) -> list[dict]:
+    key = (kind, world)
+    if key not in _WORLDS:
+        try:
+            if kind == "gloo":
+                d = tmp_path_factory.mktemp(f"select-gloo{world}")
+                spawn_processes(world, gloo_rank, str(d), backend="gloo")
+                got = [torch.load(d / f"rank{r}.pt") for r in range(world)]
+                failed = [g for g in got if isinstance(g, str)]
+                if failed:
+                    raise RuntimeError(failed[0])
+                _WORLDS[key] = got
+            else:
+                _WORLDS[key] = run_threads(world, lambda comm: _run_cases(comm.rank, world, comm))
+        except Exception as e:  # start a broken world once, not once per case
+            _WORLDS[key] = e  # type: ignore[assignment]
+    res = _WORLDS[key]
+    if isinstance(res, Exception):
+        raise RuntimeError(f"the {kind} world of {world} ranks failed") from res
+    return res
+
+
+@functools.cache
+def _reference(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    prob = case.problem()
+    return reference.select_blocks(
+        prob.q, prob.index_cache, prob.block_table, prob.seq_lens, init_blocks=case.init,
+        local_blocks=case.local, width=prob.width, query_len=case.query_len, topk=case.topk,
+        return_scores=True,
+    )  # fmt: skip
+
+
+WORLDS = [("gloo", 1), ("gloo", 2), ("gloo", 4), ("threads", 2), ("threads", 4)]
+PARAMS = [
+    pytest.param(kind, w, c, id=f"{kind}{w}-{c.name}") for kind, w in WORLDS for c in cases(w)
+]
+
+
+@pytest.mark.parametrize(("kind", "world", "case"), PARAMS)
+def test_rank_selection_equals_reference(kind, world, case, tmp_path_factory):
+    results = _world(kind, world, tmp_path_factory)
+    want_ids, want_scores = _reference(case)
+    hpr = max(1, case.heads // world)
+    rows = want_ids.shape[1]
+    for rank, res in enumerate(results):
+        heads = partition.heads_of_rank(rank, case.heads, world)
+        got = res[case.name]
+        assert got["transport"] == "collective"
+        for path in ("", "default_"):
+            ids, scores = got[path + "ids"], got[path + "scores"]
+            assert ids.dtype == torch.int32 and scores.dtype == torch.float32
+            assert ids.shape == scores.shape == (hpr, rows, case.topk)
+            assert torch.equal(ids, want_ids[heads]), f"rank {rank} {path or 'collective'} ids"
+            assert torch.equal(scores, want_scores[heads]), f"rank {rank} {path}scores"
+        if "plain" in got:
+            assert torch.equal(got["plain"], want_ids[heads])
+
+
+@pytest.mark.parametrize(("kind", "world"), [("gloo", 4), ("threads", 2)])
+def test_candidate_bytes_do_not_grow_with_width(kind, world, tmp_path_factory):
+    results = _world(kind, world, tmp_path_factory)
+    for case in cases(world):
+        prob_rows = _reference(case)[0].shape[1]
+        hpr = max(1, case.heads // world)
+        res = results[0][case.name]
+        assert res["bytes"] == (world - 1) * hpr * prob_rows * case.topk * 8
+        width = case.problem().width
+        assert res["score_bytes"] == (world - 1) * hpr * prob_rows * -(-width // world) * 4
+
+
+# --------------------------------------------------------------------------- API edges
+
+
+def _one_rank(fn):
+    return run_threads(1, fn)[0]
+
+
+def test_topk_and_return_scores_are_validated():
+    prob = testing.make_problem(2, 900, "fp8", seed=1)
+
+    def fn(comm):
+        cfg = CPIndexConfig(cache_format="fp8", max_rows=4, max_width=8, max_topk=20)
+        with cpindex.IndexCP(cfg, device="cpu", comm=comm) as cp:
+            args = (prob.q, prob.index_cache, prob.block_table, prob.seq_lens)
+            errors = []
+            for kw in ({"topk": 0}, {"topk": 21}, {"topk": 2.0}, {"topk": True},
+                       {"return_scores": 1}):  # fmt: skip
+                try:
+                    cp.select_blocks(*args, **kw)
+                except (TypeError, ValueError) as e:
+                    errors.append((type(e).__name__, str(e)))
+            ids = cp.select_blocks(*args, topk=20).clone()
+            return errors, ids
+
+    errors, ids = _one_rank(fn)
+    assert [t for t, _ in errors] == ["ValueError", "ValueError", "TypeError", "TypeError",
+                                      "TypeError"]  # fmt: skip
+    assert all(m.startswith("topk:") for _, m in errors[:4]), errors
+    assert "max_topk=20" in errors[1][1]
+    assert errors[4][1].startswith("return_scores:")
+    want = reference.select_blocks(
+        prob.q, prob.index_cache, prob.block_table, prob.seq_lens, init_blocks=0,
+        local_blocks=1, width=prob.width, topk=20,
+    )  # fmt: skip
+    assert torch.equal(ids, want)
+
+
+def test_select_blocks_on_a_closed_instance_raises():
+    prob = testing.make_problem(1, 300, "fp8", seed=2)
+
+    def fn(comm):
+        cfg = CPIndexConfig(cache_format="fp8", max_rows=4, max_width=8)
+        cp = cpindex.IndexCP(cfg, device="cpu", comm=comm)
+        cp.close()
+        with pytest.raises(cpindex.CPIndexError, match="closed"):
+            cp.select_blocks(prob.q, prob.index_cache, prob.block_table, prob.seq_lens)
+        return True
+
+    assert _one_rank(fn)
+
+
+def test_select_blocks_op_compiles_in_a_world():
+    prob = testing.make_problem(3, 2000, "nvfp4", seed=3, query_len=2)
+    width = prob.width
+
+    def rank_fn(comm):
+        cfg = CPIndexConfig(max_rows=8, max_width=width)
+        with cpindex.IndexCP(cfg, device="cpu", comm=comm) as cp:
+            h = ops.handle(cp)
+            iq = prob.rank_queries(comm.rank, comm.world_size)
+
+            @torch.compile(fullgraph=True, backend="aot_eager")
+            def f(iq, cache, bt, sl):
+                ids, scores = torch.ops.cpindex.select_blocks(
+                    h, iq, cache, None, bt, sl, 1, 1, width, 2, 5
+                )
+                return ids + 0, scores * 1
+
+            got = f(iq, prob.index_cache, prob.block_table, prob.seq_lens)
+            eager = ops.select_blocks(
+                cp, iq, prob.index_cache, prob.block_table, prob.seq_lens, 1, 1,
+                query_len=2, topk=5,
+            )  # fmt: skip
+            return got, eager
+
+    want = reference.select_blocks(
+        prob.q, prob.index_cache, prob.block_table, prob.seq_lens, init_blocks=1,
+        local_blocks=1, width=width, query_len=2, topk=5, return_scores=True,
+    )  # fmt: skip
+    for rank, (got, eager) in enumerate(run_threads(2, rank_fn)):
+        for ids, scores in (got, eager):
+            assert torch.equal(ids, want[0][2 * rank : 2 * rank + 2])
+            assert torch.equal(scores, want[1][2 * rank : 2 * rank + 2])
+
+
+# --------------------------------------------------------------------------- packed keys
+
+
+def test_packed_keys_order_scores_then_lower_id():
+    scores = torch.tensor(
+        [float("-inf"), -3.5, -0.0, 0.0, 1e-40, 2.0, 2.0, 1e29, 1e30, float("inf")]
+    )
+    ids = torch.tensor([9, 3, 8, 2, 7, 6, 1, 5, 4, 0])
+    keys = selection.pack(scores, ids).tolist()
+    order = sorted(range(len(keys)), key=lambda i: -keys[i])
+    want = sorted(range(len(keys)), key=lambda i: (-scores[i].item(), ids[i].item()))
+    assert order == want
+    assert keys[2] < keys[3]  # -0.0 == +0.0: the tie goes to the lower id (2 < 8)
+    assert min(keys) > selection.FILLER
+    out_ids = torch.empty(len(keys), dtype=torch.int32)
+    out_scores = torch.empty(len(keys))
+    selection.finish(torch.tensor(keys), out_ids, out_scores)
+    assert out_ids.tolist() == [*range(9), -1]  # -inf is never selected
+    back = dict(zip(ids.tolist(), scores.tolist(), strict=True))
+    assert out_scores[:9].tolist() == [back[i] if back[i] != 0 else 0.0 for i in range(9)]
+    assert out_scores[9].item() == float("-inf")
