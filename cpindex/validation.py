@@ -80,6 +80,30 @@ def _aligned(name: str, t: torch.Tensor, *, pages: bool = False) -> None:
         )
 
 
+def _nvfp4_tokens_aligned(cache: formats.Cache) -> None:
+    """The kernel reads a token's nvfp4 values 8 or 16 bytes at a time (16 when tokens lie a
+    multiple of 16 bytes apart, else 8: vLLM's 72-byte tokens) and its two scales of a lane as
+    one 2-byte word."""
+    if isinstance(cache, tuple):
+        values, scales = cache[0].stride(1), cache[1].stride(1)
+        names = ("index_cache[0]", "index_cache[1]")
+    elif cache.dim() == 3:  # vLLM's [pages, 128, 72]: both start at the token
+        values = scales = cache.stride(1)
+        names = ("index_cache", "index_cache")
+    else:
+        return  # the product layout: 64 and 8 bytes
+    if values % 8:
+        raise ValueError(
+            f"{names[0]}: nvfp4 value tokens must lie a multiple of 8 bytes apart (the kernel "
+            f"reads them 8 or 16 bytes at a time), got a token stride of {values} bytes"
+        )
+    if scales % 2:
+        raise ValueError(
+            f"{names[1]}: nvfp4 scale tokens must lie an even number of bytes apart (the "
+            f"kernel reads two scales as one 2-byte word), got a token stride of {scales} bytes"
+        )
+
+
 def check_call(
     cfg: CPIndexConfig,
     heads_per_rank: int,
@@ -133,6 +157,8 @@ def check_call(
         name = "index_cache" if not isinstance(index_cache, tuple) else f"index_cache[{k}]"
         _on(name, part, device)
         _aligned(name, part, pages=True)
+    if cfg.cache_format == "nvfp4":
+        _nvfp4_tokens_aligned(index_cache)
 
     block_table = _tensor("block_table", block_table)
     if block_table.dtype != torch.int32:

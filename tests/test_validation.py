@@ -426,3 +426,32 @@ def test_errors_leave_the_instance_usable_and_close_is_final():
         init_blocks=0, local_blocks=1, width=args["width"],
     )  # fmt: skip
     assert torch.equal(run_threads(1, rank)[0], want)
+
+
+@pytest.mark.parametrize(
+    ("tok_values", "tok_scales", "bad"),
+    [(72, 72, None), (80, 8, None), (68, 8, "index_cache\\[0\\]"), (64, 9, "index_cache\\[1\\]")],
+)
+def test_nvfp4_pair_token_strides(tok_values, tok_scales, bad):
+    """Strided pair views: value tokens a multiple of 8 bytes apart, scale tokens an even
+    number; others are refused before any launch, naming the tensor."""
+    prob = testing.make_problem(ROWS, MAX_LEN, "nvfp4", num_heads=1, seed=1)
+    packed, scales = formats.to_nvfp4_pair(prob.index_cache)
+    pages = packed.shape[0]
+    pool_v = torch.zeros(pages, 128, tok_values, dtype=torch.uint8)
+    pool_s = torch.zeros(pages, 128 * tok_scales + 16, dtype=torch.uint8)
+    pool_v[:, :, :64] = packed
+    sv = pool_s[:, : 128 * tok_scales].view(pages, 128, tok_scales)
+    sv[:, :, :8] = scales.view(torch.uint8)
+    pair = (pool_v[:, :, :64], sv[:, :, :8])
+    edit = _set(index_cache=pair)
+    if bad is None:
+        out = _push("nvfp4", edit)
+        want = reference.block_scores(
+            prob.q, prob.index_cache, prob.block_table, prob.seq_lens,
+            init_blocks=0, local_blocks=1, width=prob.width,
+        )  # fmt: skip
+        assert torch.equal(out, want)
+    else:
+        with pytest.raises(ValueError, match=bad + ": nvfp4"):
+            _push("nvfp4", edit)
