@@ -4,16 +4,25 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Literal, TypeVar, overload
+from typing import Any, Literal, TypeVar, overload
 
 import torch
 import torch.distributed as dist
 
-from . import formats
+from . import formats, lockstep
 from .config import CPIndexConfig
-from .errors import CPIndexError, add_note
-from .transports import Context, select
-from .validation import check_call, check_topk
+from .errors import (
+    BadBlockTableError,
+    BrokenInstanceError,
+    ConfigMismatchError,
+    CPIndexError,
+    OutOfStepError,
+    PeerConnectionError,
+    PeerTimeoutError,
+    add_note,
+)
+from .transports import Context, candidates, select
+from .validation import Call, check_call, check_topk
 from .world import Comm, TorchComm
 
 R = TypeVar("R")
@@ -23,6 +32,81 @@ def _default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _resolve_device(device: torch.device | str | None) -> torch.device:
+    """This rank's device: a CPU or an existing CUDA/HIP device (``meta`` and friends have no
+    memory to exchange)."""
+    try:
+        dev = torch.device(device) if device is not None else _default_device()
+    except RuntimeError as e:
+        raise ValueError(f"device: {e}") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ValueError(f"device: expected a cpu or cuda device, got {dev}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device: {dev} requested, but no CUDA/HIP device is visible")
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"device: {dev} does not exist ({torch.cuda.device_count()} visible)")
+    return torch.device("cuda", index)
+
+
+def _agree_construction(
+    config: CPIndexConfig, comm: Comm, device: torch.device | str | None
+) -> tuple[CPIndexConfig, torch.device, list[Any], int]:
+    """Collective, bounded by ``config.timeout_s``, and before anything else is exchanged:
+    every rank's shared fields, transport candidates, placement and local preparation error.
+    Raises on every rank if any rank failed or any shared field differs. Returns the bound
+    config, the device, every rank's placement and the instance number on this group."""
+    bound, dev, error = config, None, None
+    try:
+        bound = config.with_world_size(comm.world_size)
+        dev = _resolve_device(device)
+    except ValueError as e:  # pydantic's ValidationError is one
+        error = e
+    mine = {
+        "shared": bound.shared_values(),
+        "candidates": candidates(bound),
+        "placement": None if dev is None else [dev.type, dev.index, comm.same_process],
+        "error": None if error is None else f"{type(error).__name__}: {error}",
+    }
+    n = lockstep.next_round(comm, "new")
+    reports = lockstep.exchange(
+        comm, f"new/{n}", mine, config.timeout_s, what="IndexCP construction"
+    )
+    comm.forget(f"new/{n - 1}")
+    failed = [(r, rep["error"]) for r, rep in enumerate(reports) if rep["error"]]
+    if error is not None:
+        others = [f"rank {r}: {why}" for r, why in failed if r != comm.rank]
+        if others:
+            add_note(error, "other ranks failed too: " + "; ".join(others))
+        raise error
+    if failed:
+        raise CPIndexError(
+            f"rank {comm.rank}: IndexCP construction failed on "
+            + "; ".join(f"rank {r}: {why}" for r, why in failed)
+        )
+    diffs = []
+    for field, value in mine["shared"].items():
+        values = [rep["shared"].get(field) for rep in reports]
+        if any(v != value for v in values):
+            diffs.append(f"{field}: " + ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values)))
+    if not diffs and any(rep["candidates"] != mine["candidates"] for rep in reports):
+        diffs.append(
+            "transports tried: "
+            + ", ".join(f"rank {r}: {rep['candidates']}" for r, rep in enumerate(reports))
+        )
+    if diffs:
+        local = ", ".join(sorted(CPIndexConfig.LOCAL_FIELDS))
+        raise ConfigMismatchError(
+            f"rank {comm.rank}: the ranks built IndexCP from different configurations: "
+            + "; ".join(diffs)
+            + f". Every field but {local} must be equal on every rank."
+        )
+    assert dev is not None
+    return bound, dev, [rep["placement"] for rep in reports], n
 
 
 class IndexCP:
@@ -58,19 +142,23 @@ class IndexCP:
             comm = TorchComm(group)
         elif group is not None:
             raise ValueError("group: pass either group or comm, not both")
-        self.config = (config or CPIndexConfig()).with_world_size(comm.world_size)
-        self.device = torch.device(device) if device is not None else _default_device()
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
         self.comm = comm
-        key = (self.device.type, self.device.index)
-        placements = comm.all_gather_object((key, comm.same_process))
-        sharing = sum(1 for k, same in placements if k == key and same) if key[0] == "cuda" else 1
+        # Agree first: a rank with another config must not reach the probes' collectives.
+        self.config, self.device, placements, self._instance = _agree_construction(
+            config or CPIndexConfig(), comm, device
+        )
+        key = [self.device.type, self.device.index, True]
+        sharing = sum(1 for p in placements if p == key) if key[0] == "cuda" else 1
         self.heads_per_rank = self.config.heads_per_rank(comm.world_size)
+        self._digest = self.config.digest()
         ctx = Context(self.config, comm, self.device, max(1, sharing))
         self._transport = select(ctx)
         self._busy = threading.Lock()
         self._closed = False
+        self._calls = 0  # calls on this instance since construction or the last reset
+        self._resets = 0  # reset rounds entered (every rank counts alike)
+        self._broken: BaseException | None = None  # why calls are refused until reset()
+        self._left_mid_call: str | None = None  # a host-lockstep call abandoned after its header
 
     # ---- properties -----------------------------------------------------------------------
     @property
@@ -126,17 +214,35 @@ class IndexCP:
                 its rows.
 
         Returns:
-            float32 ``[heads_per_rank, rows, width]``, a view valid until the next call.
+            float32 ``[heads_per_rank, rows, width]``: a view of the instance's receive
+            buffer, overwritten by the next call. Keep it with ``.clone()``::
+
+                a = cp.score_push(...)          # call 1's scores
+                b = cp.score_push(...)          # a shows call 2's scores now (a is b's memory;
+                                                # with another rows/width, a is scrambled)
+                a = cp.score_push(...).clone()  # a copy: stays call 3's scores
+
+            Work that reads the view must run on the instance's stream (or be ordered before
+            the next call).
+
+        Raises:
+            TypeError, ValueError: bad input, naming the argument. With peers, the call still
+                counts and the instance refuses calls until :meth:`reset` (the peers raise too).
+            OutOfStepError, PeerTimeoutError, PeerConnectionError: the ranks are not making
+                the same call, a peer did not come within ``timeout_s``, or a peer is gone.
+            BrokenInstanceError: an earlier call failed on this rank; :meth:`reset` first.
         """
-        if self._closed:
-            raise CPIndexError("score_push on a closed IndexCP")
         if width is None and isinstance(block_table, torch.Tensor) and block_table.dim() == 2:
             width = block_table.shape[1]
-        call = check_call(
-            self.config, self.heads_per_rank, self.device, iq, index_cache, block_table,
-            seq_lens, init_blocks, local_blocks, width, query_len,
-        )  # fmt: skip
-        return self._run("score_push", lambda: self._transport.score_push(call))
+
+        def validate() -> tuple[Call, dict[str, Any]]:
+            call = check_call(
+                self.config, self.heads_per_rank, self.device, iq, index_cache, block_table,
+                seq_lens, init_blocks, local_blocks, width, query_len,
+            )  # fmt: skip
+            return call, {}
+
+        return self._run("score_push", validate, lambda call, _: self._transport.score_push(call))
 
     @overload
     def select_blocks(
@@ -204,35 +310,106 @@ class IndexCP:
             ``return_scores``, also float32 ``[heads_per_rank, rows, topk]``, aligned with the
             ids (``-inf`` where padded). Views valid until the next call.
         """
-        if self._closed:
-            raise CPIndexError("select_blocks on a closed IndexCP")
         if width is None and isinstance(block_table, torch.Tensor) and block_table.dim() == 2:
             width = block_table.shape[1]
-        call = check_call(
-            self.config, self.heads_per_rank, self.device, iq, index_cache, block_table,
-            seq_lens, init_blocks, local_blocks, width, query_len,
-        )  # fmt: skip
-        k = check_topk(self.config, topk, return_scores)
-        ids, scores = self._run("select_blocks", lambda: self._transport.select_blocks(call, k))
+
+        def validate() -> tuple[Call, dict[str, Any]]:
+            call = check_call(
+                self.config, self.heads_per_rank, self.device, iq, index_cache, block_table,
+                seq_lens, init_blocks, local_blocks, width, query_len,
+            )  # fmt: skip
+            return call, {"topk": check_topk(self.config, topk, return_scores)}
+
+        ids, scores = self._run(
+            "select_blocks",
+            validate,
+            lambda call, extra: self._transport.select_blocks(call, extra["topk"]),
+        )
         return (ids, scores) if return_scores else ids
 
-    def _run(self, what: str, launch: Callable[[], R]) -> R:
-        """The one per-call path of every call: one caller at a time, a previous call's
-        recorded failure raised first (no sync), and ``error_check="sync"``."""
+    def _run(
+        self,
+        what: str,
+        validate: Callable[[], tuple[Call, dict[str, Any]]],
+        launch: Callable[[Call, dict[str, Any]], R],
+    ) -> R:
+        """The one per-call path of every call (docs/design.md, "Ranks in step"): one caller
+        at a time; refused while broken; a previous call's recorded failure raised first (no
+        sync); the input validated; on ``host_lockstep`` transports the call's header agreed
+        with every rank before anything is exchanged; ``error_check="sync"``. Any failure
+        once peers may be waiting marks the instance broken until :meth:`reset`.
+
+        ``validate`` returns the call and the operation's own arguments (they join the
+        header); ``launch`` runs it."""
+        if self._closed:
+            raise CPIndexError(f"{what} on a closed IndexCP")
         if not self._busy.acquire(blocking=False):
             raise CPIndexError(
                 f"{what} called concurrently on one IndexCP; one instance serves one stream "
                 "at a time (create one instance per stream or micro-batch)"
             )
         try:
-            self._transport.check()
-            out = launch()
-            if self.config.error_check == "sync" and self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()
-                self._transport.check()
-            return out
+            if self._broken is not None:
+                e = self._broken
+                raise BrokenInstanceError(
+                    f"rank {self.rank}: {what} refused: this IndexCP failed earlier "
+                    f"({type(e).__name__}: {e}). Ranks may be out of step; call reset() on "
+                    "every rank to go on."
+                ) from e
+            refused_alone = False  # bad input with no peer waiting: the instance stays usable
+            try:
+                self._transport.check()  # a previous call's recorded failure, no sync
+                self._calls += 1
+                try:
+                    call, extra = validate()
+                except (TypeError, ValueError) as e:
+                    refused_alone = self.world_size == 1
+                    if not refused_alone:
+                        self._refuse(what, e)
+                    raise
+                if self._transport.host_lockstep:
+                    header = lockstep.call_header(
+                        what, self._instance, self._calls, call, self._digest, extra
+                    )
+                    lockstep.agree_call(
+                        self.comm, header, self.config.timeout_s,
+                        what=f"call {self._calls} ({what})",
+                    )  # fmt: skip
+                try:
+                    out = launch(call, extra)
+                except BaseException as e:
+                    if self._transport.host_lockstep and not isinstance(e, _PEER_ERRORS):
+                        # The header passed, so peers may wait in this call's collectives.
+                        self._left_mid_call = (
+                            f"rank {self.rank} left call {self._calls} after its header round "
+                            f"({type(e).__name__}: {e})"
+                        )
+                    raise
+                if self.config.error_check == "sync" and self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()
+                    self._transport.check()
+                return out
+            except BaseException as e:
+                if self._broken is None and not refused_alone:
+                    self._broken = e
+                raise
         finally:
             self._busy.release()
+
+    def _refuse(self, what: str, error: BaseException) -> None:
+        """Tell the peers that this rank refused its call (host-lockstep transports), so they
+        raise at once instead of waiting out ``timeout_s``. Other transports' peers time out
+        in the kernel and report this rank as late."""
+        self._broken = error
+        if not self._transport.host_lockstep:
+            return
+        header = lockstep.refusal_header(what, self._instance, self._calls, error)
+        try:
+            lockstep.agree_call(
+                self.comm, header, self.config.timeout_s, what=f"call {self._calls} ({what})"
+            )
+        except CPIndexError as e:
+            add_note(error, f"telling the other ranks failed too: {type(e).__name__}: {e}")
 
     def exchange_bytes(self, rows: int, width: int, topk: int | None = None) -> int:
         """Bytes this rank sends its peers in one call's score (``topk=None``: ``score_push``)
@@ -244,13 +421,62 @@ class IndexCP:
 
     def check(self) -> None:
         """Raise an error recorded by an earlier call (timeouts, bad block tables). Reads host
-        memory only: cheap, and usable after graph replays."""
-        self._transport.check()
+        memory only: cheap, and usable after graph replays. Marks the instance broken too."""
+        try:
+            self._transport.check()
+        except BaseException as e:
+            if self._broken is None:
+                self._broken = e
+            raise
 
     def reset(self) -> None:
-        """Collective: after an error, wait for every rank's kernels and zero the handshake
-        state so the group can go on."""
-        self._transport.reset()
+        """Collective, bounded by ``timeout_s``: bring every rank back in step after a failure.
+
+        Every rank meets in a round first (a rank that does not come within ``timeout_s``
+        makes the others raise :class:`PeerTimeoutError` naming it, and the instance stays
+        broken: call ``reset()`` again on every rank). Then the transport waits for this
+        rank's kernels and clears its error words and handshake state, the call count goes
+        back to 0 on every rank, and calls are accepted again. A reset on a healthy instance
+        is harmless.
+
+        Raises :class:`PeerConnectionError` when a peer or the group's store is gone, and
+        :class:`CPIndexError` when a collective was left half done (a rank stopped inside a
+        call after its peers started exchanging data): the process group must be rebuilt."""
+        if self._closed:
+            raise CPIndexError("reset on a closed IndexCP")
+        if not self._busy.acquire(blocking=False):
+            raise CPIndexError("reset called while a call runs on this IndexCP")
+        try:
+            self._resets += 1
+            mine = {
+                "round": self.comm.counters.get("call", 0),
+                "unrecoverable": self._transport.unrecoverable or self._left_mid_call,
+            }
+            try:
+                reports = lockstep.exchange(
+                    self.comm, f"reset/{self._instance}/{self._resets}", mine,
+                    self.config.timeout_s, what=f"reset {self._resets}",
+                )  # fmt: skip
+                stuck = [(r, rep["unrecoverable"]) for r, rep in enumerate(reports)]
+                stuck = [(r, why) for r, why in stuck if why]
+                if stuck:
+                    raise CPIndexError(
+                        f"rank {self.rank}: reset: the group cannot be reused: "
+                        + "; ".join(f"rank {r}: {why}" for r, why in stuck)
+                        + ". Its process group may hold a half-done collective: close this "
+                        "instance and rebuild the group."
+                    )
+                self._transport.reset()
+            except BaseException as e:
+                self._broken = self._broken or e
+                raise
+            # Every rank made the same number of header rounds except around the failure:
+            # continue from the furthest, so no rank reuses a round another has entered.
+            self.comm.counters["call"] = max(rep["round"] for rep in reports)
+            self._calls = 0
+            self._broken = None
+        finally:
+            self._busy.release()
 
     def close(self) -> None:
         """Collective: release buffers and peer mappings. Idempotent."""
@@ -276,6 +502,9 @@ class IndexCP:
             f"device={self.device}, format={self.config.cache_format!r})"
         )
 
+
+# What a transport raises about its peers: the call ended for every rank alike.
+_PEER_ERRORS = (OutOfStepError, PeerTimeoutError, PeerConnectionError, BadBlockTableError)
 
 _instance: IndexCP | None = None
 

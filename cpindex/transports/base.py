@@ -52,6 +52,11 @@ class Transport(ABC):
 
     name: ClassVar[str]
     ctx: Context
+    #: Whether every call's identity is compared on the host before anything is exchanged
+    #: (``IndexCP`` runs a header round through ``cpindex.lockstep``). Transports whose kernel
+    #: carries the identity with the queries (``ipc``, ``mori``) leave it False: a host round
+    #: per call would cost their latency and cannot sit inside a graph capture.
+    host_lockstep: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod
@@ -118,7 +123,14 @@ class Transport(ABC):
         """Raise any error a previous call recorded on the device (no sync)."""
 
     def reset(self) -> None:  # noqa: B027 - optional hook
-        """Clear errors and counters after a failure (collective)."""
+        """Clear errors and counters after a failure (collective; ``IndexCP.reset`` has
+        already met every rank in a bounded round, so collectives here find everyone)."""
+
+    @property
+    def unrecoverable(self) -> str | None:
+        """Why ``reset()`` cannot bring this rank back (a collective left half done), or
+        None."""
+        return None
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources. Idempotent."""
@@ -153,7 +165,10 @@ def select(ctx: Context) -> Transport:
     reports = ctx.comm.all_gather_object(mine)
     why_not: list[str] = []
     for name in names:
-        bad = [(r, rep[name][1]) for r, rep in enumerate(reports) if not rep[name][0]]
+        # .get: construction compared the candidate lists already; never a bare KeyError
+        absent = (False, f"'{name}' is not among this rank's candidates")
+        got = [rep.get(name, absent) for rep in reports]
+        bad = [(r, why) for r, (ok, why) in enumerate(got) if not ok]
         if bad:
             why = "; ".join(f"rank {r}: {reason}" for r, reason in bad)
             if explicit:

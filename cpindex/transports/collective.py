@@ -16,16 +16,17 @@ from __future__ import annotations
 import torch
 
 from .. import formats, partition, reference, selection
-from ..errors import PeerTimeoutError
+from ..errors import PeerConnectionError, PeerTimeoutError
 from ..kernels.launcher import ErrorMonitor, KernelScorer
 from ..validation import Call
-from ..world import CollectiveTimeout
+from ..world import CollectiveFailed, CollectiveTimeout
 from .base import Context, Transport, register
 
 
 @register
 class CollectiveTransport(Transport):
     name = "collective"
+    host_lockstep = True  # IndexCP compares each call's header before any data collective
 
     @classmethod
     def probe(cls, ctx: Context) -> tuple[bool, str]:
@@ -56,6 +57,7 @@ class CollectiveTransport(Transport):
             else torch.tensor([d % cfg.num_heads for d in range(w)], device=dev)
         )
         self.calls = 0
+        self._half_done: str | None = None  # a data collective that did not finish everywhere
         self.scorer = None
         self.monitor = None
         if dev.type == "cuda":
@@ -169,27 +171,45 @@ class CollectiveTransport(Transport):
         return shard, kw
 
     def _collective(self, what: str, fn, out: torch.Tensor, inp: torch.Tensor) -> None:
+        # The call's header round passed on every rank, so every rank posts this collective;
+        # one that fails or runs out of time here means a peer stopped (or died) inside the
+        # call, and the backend may hold a half-done collective that no reset can pair.
+        rank, timeout = self.ctx.rank, self.ctx.config.timeout_s
         try:
-            fn(out, inp, timeout_s=self.ctx.config.timeout_s)
+            fn(out, inp, timeout_s=timeout)
         except CollectiveTimeout as e:
             late = ", ".join(map(str, e.late)) or "unknown (the backend cannot tell)"
+            self._half_done = f"call {self.calls}'s {what} did not complete (rank(s) {late})"
             raise PeerTimeoutError(
-                f"rank {self.ctx.rank}: call {self.calls} timed out in the {what} after "
-                f"{self.ctx.config.timeout_s} s waiting for rank(s) {late}. Every rank must make "
-                "the same sequence of score_push calls; the group must be rebuilt after this.",
-                rank=self.ctx.rank,
+                f"rank {rank}: call {self.calls} timed out in the {what} after {timeout} s "
+                f"waiting for rank(s) {late}, which stopped inside the call after its header "
+                "round. The process group may hold a half-done collective: rebuild it.",
+                rank=rank,
                 peer=e.late[0] if e.late else -1,
                 call=self.calls,
                 phase=what,
             ) from None
+        except CollectiveFailed as e:
+            self._half_done = f"call {self.calls}'s {what} failed ({e.detail})"
+            raise PeerConnectionError(
+                f"rank {rank}: call {self.calls}: the {what} lost a peer: {e.detail}",
+                rank=rank,
+                call=self.calls,
+                phase=what,
+            ) from None
+
+    @property
+    def unrecoverable(self) -> str | None:
+        return self._half_done
 
     def check(self) -> None:
         if self.monitor is not None:
             self.monitor.check()
 
     def reset(self) -> None:
-        self.ctx.comm.barrier()
+        # No collective here: IndexCP.reset met every rank already, and after a data
+        # collective failed a barrier could pair with the half-done one.
+        self.calls = 0
         if self.monitor is not None:
             torch.cuda.synchronize(self.ctx.device)
             self.monitor.reset()
-        self.ctx.comm.barrier()
