@@ -1,0 +1,471 @@
+"""Ranks out of step never get wrong scores (docs/design.md, "Ranks in step"; issue 14).
+
+Every scenario runs on 2 ranks of the ``collective`` transport in two worlds: real gloo
+processes (one spawn runs every scenario in turn, its results are checked here) and the
+in-process world. Scenarios: construction with differing configurations or transports, a rank
+refusing its own bad input, ranks calling with different shapes, forcing counts or lengths, two
+instances called in different orders, a late peer, a reset a rank misses, a rank that stalls
+inside a call, and a dead peer. Each one must end in an error on every rank that names what
+differs (or who is missing) within ``timeout_s`` plus a stated slack, never wrong scores, a
+hang or an abort; after ``reset()`` the ranks compute correct scores again.
+
+Everything is bounded: small ``timeout_s``, ``spawn_processes(timeout_s=)``, and a
+faulthandler guard that ends the test process if a test hangs anyway.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import functools
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import cpindex
+from cpindex import partition, reference, testing
+from cpindex.config import CPIndexConfig
+from cpindex.world import Comm, TorchComm, run_threads, spawn_processes
+
+TIMEOUT = 1.0  # config.timeout_s of the scenarios that wait for a late rank
+SLACK = 1.5  # what a bounded wait may take past its timeout_s (store round trips, scheduling)
+GUARD_S = 240  # no test of this file may run longer (the first gloo test starts the world)
+
+
+@pytest.fixture(autouse=True)
+def _hang_guard():
+    """A regression that hangs ends the test process with every thread's traceback instead of
+    stalling CI."""
+    faulthandler.dump_traceback_later(GUARD_S, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+# --------------------------------------------------------------------------- scenario helpers
+
+
+@functools.cache
+def _prob(requests: int = 3, query_len: int = 1) -> testing.Problem:
+    return testing.make_problem(
+        requests, 1200, "fp8", seed=7 + requests, query_len=query_len, num_heads=4
+    )
+
+
+def _cfg(**kw: Any) -> CPIndexConfig:
+    base = dict(cache_format="fp8", max_rows=8, max_width=24, transport="collective")
+    return CPIndexConfig(**{**base, "timeout_s": 3.0, **kw})
+
+
+def _push(cp: cpindex.IndexCP, prob: testing.Problem | None = None, **over: Any) -> torch.Tensor:
+    p = prob or _prob()
+    args = dict(
+        iq=p.rank_queries(cp.rank, cp.world_size),
+        index_cache=p.index_cache,
+        block_table=p.block_table,
+        seq_lens=p.seq_lens,
+        init_blocks=0,
+        local_blocks=1,
+        width=p.width,
+        query_len=p.query_len,
+    )
+    args.update(over)
+    return cp.score_push(**args)
+
+
+def _want(rank: int, world: int, prob: testing.Problem | None = None) -> torch.Tensor:
+    p = prob or _prob()
+    full = reference.block_scores(
+        p.q, p.index_cache, p.block_table, p.seq_lens, init_blocks=0, local_blocks=1,
+        width=p.width, query_len=p.query_len,
+    )  # fmt: skip
+    return full[partition.heads_of_rank(rank, full.shape[0], world)]
+
+
+def _err(e: BaseException) -> dict[str, Any]:
+    """What a scenario records of an error (plain data: it crosses processes)."""
+    cause = e.__cause__
+    return {
+        "type": type(e).__name__,
+        "msg": str(e),
+        "cause": type(cause).__name__ if cause is not None else None,
+        "peer": getattr(e, "peer", None),
+    }
+
+
+def _attempt(fn: Callable[[], Any]) -> dict[str, Any]:
+    t0 = time.monotonic()
+    try:
+        fn()
+        out: dict[str, Any] = {"type": None}
+    except Exception as e:
+        out = _err(e)
+    out["s"] = time.monotonic() - t0
+    return out
+
+
+def _correct(cp: cpindex.IndexCP) -> bool:
+    out = _push(cp).clone()
+    return bool(torch.equal(out, _want(cp.rank, cp.world_size)))
+
+
+# --------------------------------------------------------------------------- scenarios
+# Each takes (comm, rank) and returns plain data; the tests below check it.
+
+
+def sc_config_mismatch(comm: Comm, rank: int) -> dict:
+    def build(**kw: Any) -> dict[str, Any]:
+        return _attempt(lambda: cpindex.IndexCP(_cfg(**kw), device="cpu", comm=comm).close())
+
+    res = build(max_rows=8 if rank == 0 else 16)
+    # transport and prefer_mori decide what 'auto' tries: both are shared fields
+    res2 = build(transport="collective" if rank == 0 else "auto")
+    res3 = build(sm_scale=0.1 * (rank + 1))
+    return {"max_rows": res, "transport": res2, "sm_scale": res3}
+
+
+def sc_local_knobs(comm: Comm, rank: int) -> dict:
+    cfg = _cfg(timeout_s=2.0 + rank, error_check="sync" if rank else "next_call")
+    with cpindex.IndexCP(cfg, device="cpu", comm=comm) as cp:
+        return {"correct": _correct(cp)}
+
+
+def sc_refused(comm: Comm, rank: int) -> dict:
+    with cpindex.IndexCP(_cfg(), device="cpu", comm=comm) as cp:
+        # rank 1's width is past max_width: refused before anything is exchanged, and rank 0
+        # learns it at once (no timeout)
+        first = _attempt(lambda: _push(cp, width=25 if rank == 1 else 10))
+        then = _attempt(lambda: _push(cp))
+        cp.reset()
+        return {"first": first, "then": then, "correct": _correct(cp)}
+
+
+#: Per field: what rank 1 passes instead (rank 0 passes the valid call).
+MISMATCHES: dict[str, Callable[[], dict[str, Any]]] = {
+    "width": lambda: {"width": 11},
+    "rows": lambda: dict(
+        iq=_prob(2).rank_queries(1, 2),
+        block_table=_prob(2).block_table,
+        seq_lens=_prob(2).seq_lens,
+        width=_prob(2).width,
+    ),
+    "init_blocks": lambda: {"init_blocks": 1},
+    "local_blocks": lambda: {"local_blocks": 2},
+    "seq_lens": lambda: {"seq_lens": _prob().seq_lens - (torch.arange(3) == 0).int()},
+    "query_len": lambda: dict(  # the same rows (4), split as 2 requests of 2 tokens
+        iq=_prob(2, 2).rank_queries(1, 2),
+        block_table=_prob(2, 2).block_table,
+        seq_lens=_prob(2, 2).seq_lens,
+        width=_prob(2, 2).width,
+        query_len=2,
+    ),
+}
+ROWS4 = {"query_len"}  # rank 0 needs 4 rows too, or rows would differ first
+
+
+def sc_mismatch(comm: Comm, rank: int) -> dict:
+    out = {}
+    with cpindex.IndexCP(_cfg(), device="cpu", comm=comm) as cp:
+        for field, change in MISMATCHES.items():
+            base = _prob(4) if field in ROWS4 else None
+            over = change() if rank == 1 else {}
+            res = _attempt(lambda p=base, o=over: _push(cp, p, **o))
+            after = _attempt(lambda: _push(cp))
+            cp.reset()
+            out[field] = {"call": res, "after": after, "correct": _correct(cp)}
+    return out
+
+
+def sc_instances_order(comm: Comm, rank: int) -> dict:
+    a = cpindex.IndexCP(_cfg(), device="cpu", comm=comm)
+    b = cpindex.IndexCP(_cfg(), device="cpu", comm=comm)
+    order = (a, b) if rank == 0 else (b, a)
+    first = _attempt(lambda: _push(order[0]))
+    second = _attempt(lambda: _push(order[1]))
+    a.reset()
+    b.reset()
+    res = {"first": first, "second": second, "a": _correct(a), "b": _correct(b)}
+    a.close()
+    b.close()
+    return res
+
+
+def sc_late_peer(comm: Comm, rank: int) -> dict:
+    with cpindex.IndexCP(_cfg(timeout_s=TIMEOUT), device="cpu", comm=comm) as cp:
+        if rank == 1:
+            time.sleep(1.5 * TIMEOUT)  # rank 0 gives up on the call meanwhile
+            late = _attempt(lambda: _push(cp))  # joins the abandoned call: raises at once
+            res = {"late": late}
+        else:
+            timed_out = _attempt(lambda: _push(cp))
+            refused = _attempt(lambda: _push(cp))  # broken until reset, nothing exchanged
+            res = {"timed_out": timed_out, "refused": refused}
+        res["reset"] = _attempt(cp.reset)  # rank 0 waits here for rank 1 (within TIMEOUT)
+        res["correct"] = _correct(cp)
+    return res
+
+
+def sc_reset_missed(comm: Comm, rank: int) -> dict:
+    with cpindex.IndexCP(_cfg(timeout_s=TIMEOUT), device="cpu", comm=comm) as cp:
+        _push(cp)
+        if rank == 1:
+            time.sleep(1.5 * TIMEOUT)  # misses rank 0's reset
+        first = _attempt(cp.reset)
+        second = _attempt(cp.reset)  # both come this time
+        return {"first": first, "second": second, "correct": _correct(cp)}
+
+
+def sc_stall_in_call(comm: Comm, rank: int) -> dict:
+    """Rank 1 stalls inside a call, after the header (two instances share the group): rank 0's
+    data collective times out naming rank 1, and reset() says the group cannot be reused."""
+    a = cpindex.IndexCP(_cfg(timeout_s=TIMEOUT), device="cpu", comm=comm)
+    b = cpindex.IndexCP(_cfg(timeout_s=TIMEOUT), device="cpu", comm=comm)
+    for _ in range(3):
+        _push(b)
+    if rank == 1:
+        real = reference.block_scores
+
+        def slow(*args: Any, **kw: Any) -> torch.Tensor:
+            time.sleep(2.5 * TIMEOUT)
+            return real(*args, **kw)
+
+        from cpindex.transports import collective
+
+        collective.reference.block_scores = slow  # type: ignore[attr-defined]
+    stalled = _attempt(lambda: _push(a))
+    if rank == 0:
+        time.sleep(2 * TIMEOUT)  # reset once rank 1 is back (its call ends after its stall)
+    reset = _attempt(a.reset)
+    return {"stalled": stalled, "reset": reset}
+
+
+SCENARIOS: dict[str, Callable[[Comm, int], dict]] = {
+    "config_mismatch": sc_config_mismatch,
+    "local_knobs": sc_local_knobs,
+    "refused": sc_refused,
+    "mismatch": sc_mismatch,
+    "instances_order": sc_instances_order,
+    "late_peer": sc_late_peer,
+    "reset_missed": sc_reset_missed,
+}
+GLOO_ONLY = {"stall_in_call": sc_stall_in_call}  # last: it leaves the group unusable
+
+
+def _run_scenarios(comm: Comm, names: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in names:
+        fn = {**SCENARIOS, **GLOO_ONLY}[name]
+        try:
+            out[name] = fn(comm, comm.rank)
+        except Exception:
+            out[name] = {"crash": traceback.format_exc()}
+            break  # the ranks may be out of step now: later scenarios would only add noise
+    return out
+
+
+def gloo_rank(rank: int, world: int, path: str) -> None:
+    torch.set_num_threads(1)
+    res = _run_scenarios(TorchComm(), [*SCENARIOS, *GLOO_ONLY])
+    torch.save(res, Path(path) / f"rank{rank}.pt")
+
+
+_WORLDS: dict[str, list[dict] | BaseException] = {}
+
+
+def _results(kind: str, tmp_path_factory) -> list[dict]:
+    if kind not in _WORLDS:
+        try:
+            if kind == "gloo":
+                d = tmp_path_factory.mktemp("lockstep")
+                spawn_processes(2, gloo_rank, str(d), timeout_s=180)
+                _WORLDS[kind] = [torch.load(d / f"rank{r}.pt") for r in range(2)]
+            else:
+                _WORLDS[kind] = run_threads(
+                    2, lambda comm: _run_scenarios(comm, list(SCENARIOS)), timeout_s=60
+                )
+        except BaseException as e:  # start a broken world once, not once per test
+            _WORLDS[kind] = e
+    res = _WORLDS[kind]
+    if isinstance(res, BaseException):
+        raise RuntimeError(f"the {kind} world failed") from res
+    return res
+
+
+def _scenario(kind: str, name: str, tmp_path_factory) -> list[dict]:
+    per_rank = [r.get(name, {"crash": "not reached"}) for r in _results(kind, tmp_path_factory)]
+    for rank, res in enumerate(per_rank):
+        assert "crash" not in res, f"rank {rank}:\n{res['crash']}"
+    return per_rank
+
+
+KINDS = ["gloo", "threads"]
+
+
+# --------------------------------------------------------------------------- the checks
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_construction_compares_shared_fields_on_every_rank(kind, tmp_path_factory):
+    res = _scenario(kind, "config_mismatch", tmp_path_factory)
+    for rank, r in enumerate(res):
+        for field, values in [
+            ("max_rows", "rank 0: 8, rank 1: 16"),
+            ("transport", "rank 0: 'collective', rank 1: 'auto'"),
+            ("sm_scale", "rank 0: 0.1, rank 1: 0.2"),
+        ]:
+            e = r[field]
+            assert e["type"] == "ConfigMismatchError", (rank, field, e)
+            assert f"{field}: {values}" in e["msg"], (rank, e["msg"])
+            assert e["s"] < SLACK, (rank, field, e["s"])
+            assert "KeyError" not in e["msg"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_local_knobs_may_differ(kind, tmp_path_factory):
+    for r in _scenario(kind, "local_knobs", tmp_path_factory):
+        assert r["correct"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_refused_call_makes_every_rank_raise_at_once(kind, tmp_path_factory):
+    r0, r1 = _scenario(kind, "refused", tmp_path_factory)
+    assert r1["first"]["type"] == "ValueError" and "width" in r1["first"]["msg"]
+    assert r0["first"]["type"] == "OutOfStepError", r0["first"]
+    assert "refused by rank 1: ValueError: width" in r0["first"]["msg"]
+    assert r0["first"]["s"] < SLACK  # told at once, not after timeout_s (3 s here)
+    for r in (r0, r1):
+        # broken until reset: the next call refuses, naming the first error as its cause
+        assert r["then"]["type"] == "BrokenInstanceError", r["then"]
+        assert r["then"]["cause"] == r["first"]["type"]
+        assert r["correct"]  # after reset()
+
+
+@pytest.mark.parametrize("field", list(MISMATCHES))
+@pytest.mark.parametrize("kind", KINDS)
+def test_ranks_with_different_calls_all_raise(kind, field, tmp_path_factory):
+    """No data collective is posted (gloo would abort on differing sizes), every rank raises
+    naming the first field that differs, and reset() brings back correct scores."""
+    for rank, r in enumerate(_scenario(kind, "mismatch", tmp_path_factory)):
+        res = r[field]
+        call = res["call"]
+        assert call["type"] == "OutOfStepError", (rank, call)
+        assert f"out of step with rank {1 - rank}: {field}" in call["msg"], call["msg"]
+        assert call["peer"] == 1 - rank
+        assert res["after"]["type"] == "BrokenInstanceError"
+        assert res["correct"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_two_instances_called_in_different_orders(kind, tmp_path_factory):
+    for rank, r in enumerate(_scenario(kind, "instances_order", tmp_path_factory)):
+        assert r["first"]["type"] == "OutOfStepError", (rank, r["first"])
+        assert (
+            "instance #" in r["first"]["msg"]
+            and "different IndexCP instances" in (r["first"]["msg"])
+        )
+        # the other instance is still healthy on both ranks, but the ranks call it with its
+        # own peer's broken twin: it raises too (a header round with a refusing peer)
+        assert r["second"]["type"] in ("OutOfStepError", "BrokenInstanceError"), r["second"]
+        assert r["a"] and r["b"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_late_peer_times_out_within_timeout_and_recovers(kind, tmp_path_factory):
+    r0, r1 = _scenario(kind, "late_peer", tmp_path_factory)
+    t = r0["timed_out"]
+    assert t["type"] == "PeerTimeoutError" and t["peer"] == 1, t
+    assert "waiting for rank(s) 1, which did not come" in t["msg"]
+    assert TIMEOUT * 0.9 <= t["s"] < TIMEOUT + SLACK
+    assert r0["refused"]["type"] == "BrokenInstanceError"
+    assert r0["refused"]["cause"] == "PeerTimeoutError"
+    # the late rank joins a call its peer gave up on: it raises at once, not after a timeout
+    late = r1["late"]
+    assert late["type"] == "PeerTimeoutError" and "gave up waiting" in late["msg"], late
+    assert late["s"] < SLACK
+    for r in (r0, r1):
+        assert r["reset"]["type"] is None, r["reset"]
+        assert r["correct"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_reset_is_bounded_and_names_who_did_not_come(kind, tmp_path_factory):
+    r0, r1 = _scenario(kind, "reset_missed", tmp_path_factory)
+    first = r0["first"]
+    assert (
+        first["type"] == "PeerTimeoutError"
+        and "waiting for rank(s) 1, which did not come" in first["msg"]
+    )
+    assert first["s"] < TIMEOUT + SLACK
+    assert r1["first"]["type"] == "PeerTimeoutError"  # came too late: told at once
+    for r in (r0, r1):
+        assert r["second"]["type"] is None, r["second"]
+        assert r["correct"]
+
+
+def test_gloo_stall_inside_a_call_names_the_rank_and_refuses_reset(tmp_path_factory):
+    r0, r1 = _scenario("gloo", "stall_in_call", tmp_path_factory)
+    s = r0["stalled"]
+    assert s["type"] == "PeerTimeoutError" and s["peer"] == 1, s
+    assert "rank(s) 1" in s["msg"] and "unknown" not in s["msg"]
+    assert s["s"] < TIMEOUT + SLACK
+    for r in (r0, r1):
+        assert "cannot be reused" in r["reset"]["msg"], r["reset"]
+
+
+# --------------------------------------------------------------------------- one rank
+
+
+def test_one_rank_bad_input_leaves_the_instance_usable():
+    """With no peer waiting, a refused call does not break the instance."""
+
+    def rank_fn(comm):
+        with cpindex.IndexCP(_cfg(), device="cpu", comm=comm) as cp:
+            with pytest.raises(ValueError, match="width"):
+                _push(cp, width=99)
+            return _correct(cp)
+
+    assert run_threads(1, rank_fn) == [True]
+
+
+def test_one_rank_reset_is_harmless():
+    def rank_fn(comm):
+        with cpindex.IndexCP(_cfg(), device="cpu", comm=comm) as cp:
+            cp.reset()
+            ok = _correct(cp)
+            cp.reset()
+            return ok and _correct(cp)
+
+    assert run_threads(1, rank_fn) == [True]
+
+
+# --------------------------------------------------------------------------- dead peer
+
+
+def _dead_peer_rank(rank: int, world: int, path: str, who_dies: int) -> None:
+    """Rank ``who_dies`` exits: rank 1 inside a call's all-to-all (gloo loses the connection),
+    or rank 0 (the store's host) right after construction (the store is gone)."""
+    import os
+
+    torch.set_num_threads(1)
+    comm = TorchComm()
+    cp = cpindex.IndexCP(_cfg(timeout_s=5.0), device="cpu", comm=comm)
+    if rank == who_dies:
+        if rank == 0:
+            os._exit(0)
+        comm.all_to_all_into = lambda *a, **k: os._exit(0)  # type: ignore[method-assign]
+    time.sleep(0.2 if who_dies == 0 else 0.0)
+    lost = _attempt(lambda: _push(cp))
+    torch.save(lost, Path(path) / f"rank{rank}.pt")
+    os._exit(0)  # skip destroy_process_group: its peer is gone
+
+
+@pytest.mark.parametrize("who_dies", [1, 0])
+def test_dead_peer_is_reported_as_a_lost_connection(tmp_path, who_dies):
+    spawn_processes(2, _dead_peer_rank, str(tmp_path), who_dies, timeout_s=60)
+    lost = torch.load(tmp_path / f"rank{1 - who_dies}.pt")
+    assert lost["type"] == "PeerConnectionError", lost
+    assert "lost" in lost["msg"] and "timed out" not in lost["msg"], lost
+    assert lost["s"] < 5.0  # as soon as the backend reports it, not after timeout_s
