@@ -180,7 +180,9 @@ class CPIndexConfig(BaseModel):
           ``[heads_per_rank, max_rows, max_width]``.
         * ``collective`` (``transports/collective.py``): the gathered queries of every rank,
           a float32 shard ``[num_heads, max_rows, ceil(max_width / W)]``, the received shards
-          ``[W, heads_per_rank, max_rows, ceil(max_width / W)]`` and the output.
+          ``[W, heads_per_rank, max_rows, ceil(max_width / W)]``, the output, the received
+          int64 candidates ``[W, heads_per_rank, max_rows, max_topk]`` and the shard's block
+          ids.
         * ``select_blocks`` results (``selection.Outputs``): int32 ids and float32 scores,
           ``[heads_per_rank, max_rows, max_topk]`` each.
         """
@@ -191,7 +193,9 @@ class CPIndexConfig(BaseModel):
         kw = -(-width // w)
         out = hpr * rows * width * 4
         peer = 4096 + w * _align256(q_rank) + out
-        collective = w * q_rank + self.num_heads * rows * kw * 4 + w * hpr * rows * kw * 4 + out
+        shards = self.num_heads * rows * kw * 4 + w * hpr * rows * kw * 4
+        candidates = w * hpr * rows * self.max_topk * 8 + kw * 8
+        collective = w * q_rank + shards + out + candidates
         select = hpr * rows * self.max_topk * 8
         return max(peer, collective) + select
 

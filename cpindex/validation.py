@@ -192,6 +192,11 @@ def check_call(
 
     init_blocks = _count("init_blocks", init_blocks, 0)
     local_blocks = _count("local_blocks", local_blocks, 0)
+    # Forcing counts past max_width (at most 2**20) force nothing more; bounding them keeps
+    # every count the kernel receives inside its C int (rows <= max_rows <= 65536 likewise).
+    for name, v in (("init_blocks", init_blocks), ("local_blocks", local_blocks)):
+        if v > cfg.max_width:
+            raise ValueError(f"{name}: expected <= max_width ({cfg.max_width}), got {v}")
     width = _count("width", width, 1, cfg.max_width)
 
     if seq_lens.device.type == "cpu":
