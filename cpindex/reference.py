@@ -3,7 +3,8 @@
 Written to be obviously right: dequantize the pages a row uses, compute every dot product in
 float64, mask tokens at or past the row's causal length, take the max per block, then apply the
 forcing rules in the contract's order. Rows are processed in chunks so 64 rows x 32K tokens
-stays within a few hundred MB on a CPU.
+stays within a few hundred MB on a CPU. NaN inputs are the caller's bug, but their result is
+defined (a NaN dot product never wins) and is the GPU kernel's.
 """
 
 from __future__ import annotations
@@ -99,7 +100,10 @@ def block_scores(
         keys = _page_keys(index_cache, fmt, table[ri, jj].to(device))  # [S, 128 tok, 128]
         dots = torch.einsum("shd,std->sht", qf[ri.to(device)], keys)  # [S, H, 128 tok]
         valid = (jj.unsqueeze(1) * formats.PAGE_TOKENS + tok) < lens[ri].unsqueeze(1)
-        dots = dots.masked_fill(~valid.to(device).unsqueeze(1), float("-inf"))
+        # A NaN product never wins (docs/design.md, NaN and Inf): the kernel's running max
+        # (fmaxf from -inf) drops NaN operands, so here a NaN dot counts like a key past the
+        # context, and a block whose dots are all NaN scores -inf.
+        dots = dots.masked_fill(~valid.to(device).unsqueeze(1) | dots.isnan(), float("-inf"))
         out[:, ri, ci] = (dots.amax(dim=2) * sm_scale).T.cpu()
 
     # Forcing, in the contract's order (§3): local blocks are tested first, then init blocks.
