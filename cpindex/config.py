@@ -177,7 +177,8 @@ class CPIndexConfig(BaseModel):
 
         * ``ipc``/``mori`` region (``transports/peer.py``, ``PeerLayout``): a 4 KiB flag page,
           one 256-byte-aligned query slot per rank, the float32 receive buffer
-          ``[heads_per_rank, max_rows, max_width]``.
+          ``[heads_per_rank, max_rows, max_width]`` and int64 ``select_blocks`` candidate
+          slots ``[W, heads_per_rank, max_rows, max_topk]``.
         * ``collective`` (``transports/collective.py``): the gathered queries of every rank,
           a float32 shard ``[num_heads, max_rows, ceil(max_width / W)]``, the received shards
           ``[W, heads_per_rank, max_rows, ceil(max_width / W)]``, the output, the received
@@ -192,10 +193,10 @@ class CPIndexConfig(BaseModel):
         q_rank = rows * hpr * self.head_dim * (2 if self.cache_format == "bf16" else 1)
         kw = -(-width // w)
         out = hpr * rows * width * 4
-        peer = 4096 + w * _align256(q_rank) + out
+        cand = w * hpr * rows * self.max_topk * 8
+        peer = 4096 + w * _align256(q_rank) + _align256(out) + cand
         shards = self.num_heads * rows * kw * 4 + w * hpr * rows * kw * 4
-        candidates = w * hpr * rows * self.max_topk * 8 + kw * 8
-        collective = w * q_rank + shards + out + candidates
+        collective = w * q_rank + shards + out + cand + kw * 8
         select = hpr * rows * self.max_topk * 8
         return max(peer, collective) + select
 
