@@ -89,8 +89,8 @@ def refusal_header(op: str, instance: int, call_no: int, error: BaseException) -
 def _describe(field: str, value: Any) -> str:
     if field == "instance":
         return f"instance #{value}"
-    if field == "seq_lens":
-        return "seq_lens (contents differ)" if value else "seq_lens"
+    if field == "seq_lens":  # a hash of the contents (None: on a GPU, not hashed)
+        return f"seq_lens with hash {value}"
     return f"{field}={value}"
 
 
@@ -127,7 +127,8 @@ def agree_call(
         f = diff[0]
         also = f" (also differ: {', '.join(diff[1:])})" if len(diff) > 1 else ""
         hint = {
-            "instance": " (the ranks called different IndexCP instances: same order on every rank)",
+            "instance": " (the ranks called different IndexCP instances; call them in the "
+            "same order on every rank)",
             "config": " (the ranks' configurations differ)",
             "call": " (a rank skipped or repeated a call)",
         }.get(f, "")
