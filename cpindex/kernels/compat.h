@@ -69,6 +69,14 @@ CP_DEVICE float cp_shfl_xor(float v, int mask) {
 #endif
 }
 
+CP_DEVICE float cp_shfl(float v, int src) {
+#if defined(CP_HIP)
+  return __shfl(v, src, CP_WARP);
+#else
+  return __shfl_sync(0xffffffffu, v, src, CP_WARP);
+#endif
+}
+
 CP_DEVICE void cp_syncwarp() {
 #if defined(CP_HIP)
   __builtin_amdgcn_wave_barrier();

@@ -51,6 +51,7 @@ struct PushState {
   uint64_t* peer_q_flag[kMaxWorld];   // &q_flags[my rank] on rank p
   uint64_t* peer_s_flag[kMaxWorld];   // &s_flags[my rank] on rank p
   uint64_t* peer_q_ident[kMaxWorld];  // &q_idents[my rank] on rank p: my call's identity
+  uint32_t* barrier;                  // local, [1]: CTAs past scoring (select mode); reset by the last
   const uint64_t* q_idents;           // local, [world]: identity of each rank's delivered call
   const uint8_t* q_src;               // my query rows, [rows, q_src_bytes_per_row] contiguous
   int64_t q_bytes;                    // rows * heads_per_rank * 128 * elem size
@@ -91,6 +92,17 @@ struct ScoreParams {
   int shard_columns;
   int64_t out_row_stride;
   uint64_t ident;       // push mode: this call's identity (shape, forcing, config); all ranks equal
+  // select mode (push, topk > 0): dst is this rank's shard ([heads][rows][kw], shard_columns);
+  // its top-k candidates per (row, head h) go to cand_dst[h * cand_copies + c], the owners'
+  // [rows][topk] int64 blocks for this rank; each owner merges its own
+  // cand[world][heads_per_rank][rows][topk] into ids_out/scores_out [heads_per_rank][rows][topk].
+  int topk;
+  int heads_per_rank;
+  int cand_copies;
+  int64_t* cand_dst[kMaxDst];
+  const int64_t* cand;
+  int32_t* ids_out;
+  float* scores_out;
   ErrorWord* err;       // device memory: checked by every CTA at start
   ErrorWord* err_host;  // host-mapped mirror the host polls without a sync (may be null)
 };

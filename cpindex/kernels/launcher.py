@@ -172,6 +172,7 @@ class KernelScorer:
         shard_columns: bool,
         out_row_stride: int,
         ident: int = 0,
+        select: dict | None = None,
     ) -> torch.Tensor:
         """A ScoreParams image (pointers to keys, table and lengths are patched per call)."""
         p = structs.ScoreParams()
@@ -194,6 +195,12 @@ class KernelScorer:
             out_row_stride,
         )
         p.ident = ident
+        if select is not None:  # select_blocks' fused candidate exchange (push mode)
+            p.topk, p.heads_per_rank = select["topk"], select["heads_per_rank"]
+            p.cand_copies, p.cand = select["cand_copies"], select["cand"]
+            for i, ptr in enumerate(select["cand_dst"]):
+                p.cand_dst[i] = ptr
+            p.ids_out, p.scores_out = select["ids_out"], select["scores_out"]
         p.err, p.err_host = self.monitor.device_ptr, self.monitor.host_device_ptr
         return structs.image(p)
 

@@ -51,6 +51,7 @@ constexpr int kTilesPerPage = kPageTokens / kTileTokens;
 constexpr int kVecsPerTile = 8;                  // query vectors per mma n-tile (and per portable pass)
 constexpr float kForcedLocal = 1e29f;
 constexpr float kForcedInit = 1e30f;
+constexpr int kMaxSelect = 16;                   // select_blocks' topk the kernel fuses (larger: torch)
 
 // ---- formats -----------------------------------------------------------------------------------
 // Each lane c (= lane % 4) of a group owns 32 of a token's 128 dims, as 16 packed 16-bit pairs
@@ -532,6 +533,144 @@ CP_DEVICE void score_page_smem(const ScoreParams& p, const uint8_t* page, int li
 }
 #endif
 
+// ---- selection (select_blocks) ------------------------------------------------------------------
+// A candidate is one int64 key: the score's float bits made order-preserving in the high 32 bits,
+// 0xFFFFFFFF - block id in the low 32 (the same keys as cpindex/selection.py), so comparing keys
+// compares scores and breaks ties towards the lower block id. INT64_MIN fills empty slots.
+constexpr int64_t kFiller = -0x7fffffffffffffffLL - 1;
+constexpr int32_t kOrderedNegInf = (int32_t)(0xff800000u ^ 0x7fffffffu);  // keys at or below: -inf
+
+CP_DEVICE int64_t make_key(float score, int block) {
+  const int32_t bits = __float_as_int(score == 0.f ? 0.f : score);  // -0 ties with +0
+  const int32_t ordered = bits < 0 ? bits ^ 0x7fffffff : bits;
+  return (int64_t)ordered * 4294967296LL + (int64_t)(0xffffffffu - (uint32_t)block);
+}
+
+CP_DEVICE int64_t shfl_xor64(int64_t v, int mask) {
+  const float lo = __int_as_float((int32_t)(uint32_t)v), hi = __int_as_float((int32_t)(v >> 32));
+  const uint32_t l = (uint32_t)__float_as_int(cp_shfl_xor(lo, mask));
+  const int32_t h = __float_as_int(cp_shfl_xor(hi, mask));
+  return (int64_t)h * 4294967296LL + (int64_t)l;
+}
+
+// The warp's `k` largest of `n` keys (key(e) for e < n): lane r < k returns the r-th largest,
+// other lanes kFiller. Each lane keeps its kMaxSelect best in registers, then k rounds take the
+// warp's best head.
+template <typename Key>
+CP_DEVICE int64_t warp_topk(int n, int k, int lane, Key key) {
+  int64_t best[kMaxSelect];
+#pragma unroll
+  for (int s = 0; s < kMaxSelect; ++s) best[s] = kFiller;
+  for (int e = lane; e < n; e += CP_WARP) {
+    int64_t x = key(e);
+    if (x <= best[kMaxSelect - 1]) continue;
+#pragma unroll
+    for (int s = 0; s < kMaxSelect; ++s) {  // insertion into the descending list
+      const int64_t hi = x > best[s] ? x : best[s];
+      x = x > best[s] ? best[s] : x;
+      best[s] = hi;
+    }
+  }
+  int64_t mine = kFiller;
+  for (int r = 0; r < k; ++r) {
+    int64_t top = best[0];
+#pragma unroll
+    for (int off = 1; off < CP_WARP; off <<= 1) {
+      const int64_t o = shfl_xor64(top, off);
+      top = o > top ? o : top;
+    }
+    if (top == kFiller) break;  // fewer than k keys
+    if (lane == r) mine = top;
+    if (best[0] == top) {  // keys are unique: one lane pops its head
+#pragma unroll
+      for (int s = 0; s + 1 < kMaxSelect; ++s) best[s] = best[s + 1];
+      best[kMaxSelect - 1] = kFiller;
+    }
+  }
+  return mine;
+}
+
+// Phase 1: this rank's top k of its share per (row, head), from the local shard, to each owner.
+CP_DEVICE void select_local(const ScoreParams& p, uint64_t call) {
+  const int lane = threadIdx.x % CP_WARP, warp = threadIdx.x / CP_WARP;
+  const int rows = p.requests * p.query_len;
+  const int kw = p.width > p.rank ? (p.width - p.rank + p.world - 1) / p.world : 0;
+  const int64_t items = (int64_t)rows * p.num_heads;
+  for (int64_t it = (int64_t)blockIdx.x * kWarpsPerCta + warp; it < items;
+       it += (int64_t)gridDim.x * kWarpsPerCta) {
+    const int row = (int)(it / p.num_heads), h = (int)(it % p.num_heads);
+    const float* shard = p.dst[h] + (int64_t)row * p.out_row_stride;
+    const int64_t key = warp_topk(kw, p.topk, lane, [&](int k) {
+      return make_key(shard[k], p.rank + k * p.world);
+    });
+    if (lane < p.topk)
+      for (int c = 0; c < p.cand_copies; ++c)
+        p.cand_dst[h * p.cand_copies + c][(int64_t)row * p.topk + lane] = key;
+  }
+  (void)call;
+}
+
+// Phase 2, on each owner once every rank's candidates are here: the top k of the W * k per
+// (row, own head), as block ids ascending (-1 after them) and their scores.
+CP_DEVICE void merge_candidates(const ScoreParams& p) {
+  const int lane = threadIdx.x % CP_WARP, warp = threadIdx.x / CP_WARP;
+  const int rows = p.requests * p.query_len, k = p.topk;
+  const int64_t items = (int64_t)rows * p.heads_per_rank;
+  for (int64_t it = (int64_t)blockIdx.x * kWarpsPerCta + warp; it < items;
+       it += (int64_t)gridDim.x * kWarpsPerCta) {
+    const int row = (int)(it / p.heads_per_rank), slot = (int)(it % p.heads_per_rank);
+    const int64_t key = warp_topk(p.world * k, k, lane, [&](int e) {
+      const int src = e / k, i = e - src * k;
+      return *reinterpret_cast<volatile const int64_t*>(
+          p.cand + ((int64_t)(src * p.heads_per_rank + slot) * rows + row) * k + i);
+    });
+    const bool valid = lane < k && (int32_t)(key >> 32) > kOrderedNegInf;
+    const int id = valid ? (int)(0xffffffffu - (uint32_t)key) : 0x7fffffff;
+    // Position by ascending id: valid ids first, then the padding in lane order.
+    int pos = 0, n_valid = 0;
+    for (int r = 0; r < k; ++r) {
+      const int other = __float_as_int(cp_shfl(__int_as_float(id), r));
+      const bool other_valid = other != 0x7fffffff;
+      n_valid += other_valid;
+      pos += valid ? (other_valid && other < id) : (!other_valid && r < lane);
+    }
+    if (lane < k) {
+      if (!valid) pos += n_valid;
+      const int32_t hi = (int32_t)(key >> 32);
+      const int64_t at = ((int64_t)slot * rows + row) * k + pos;
+      p.ids_out[at] = valid ? id : -1;
+      p.scores_out[at] = valid ? __int_as_float(hi < 0 ? hi ^ 0x7fffffff : hi)
+                               : -__builtin_huge_valf();
+    }
+  }
+}
+
+// Every CTA of this rank's grid (all resident: push grids are sized so) has arrived. Bounded
+// like the peer waits; false when this call's handshake already failed or the wait ran out.
+CP_DEVICE bool grid_barrier(const ScoreParams& p, const PushState& ps, uint64_t call) {
+  __shared__ int ok;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    ok = 1;
+    atomicAdd(ps.barrier, 1u);
+    const uint64_t start = cp_clock_ticks();
+    for (uint32_t spin = 0; cp_load_relaxed_sys(ps.barrier) < gridDim.x; ++spin) {
+      if ((spin & 63u) == 63u) {
+        if (handshake_failed(p)) { ok = 0; break; }
+        if (cp_clock_ticks() - start > ps.timeout_ticks) {
+          report(p, kErrTimeoutScores, (uint32_t)p.rank, call, cp_load_relaxed_sys(ps.barrier));
+          ok = 0;
+          break;
+        }
+        cp_backoff();
+      }
+    }
+    cp_fence_sys();
+  }
+  __syncthreads();
+  return ok != 0;
+}
+
 #if defined(CP_MIN_CTAS) && !defined(CP_HIP)  // measurement: cap registers for this many CTAs/SM
 #define CP_BOUNDS __launch_bounds__(kThreads, CP_MIN_CTAS)
 #else
@@ -679,22 +818,33 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   }
 
   if (!push) return;
-  // Completion: the last CTA to finish signals every peer and waits for every peer's scores.
+  const bool select = p.topk > 0;
+  if (select) {  // every CTA's shard columns are written before any CTA selects from them
+    cp_fence_sys();
+    if (!grid_barrier(p, ps, call)) cta_failed = 1;
+    if (!cta_failed) select_local(p, call);
+  }
+  // Completion: the last CTA to finish signals every peer; it (or, when selecting, every CTA,
+  // which then merges) waits for every peer's signal.
   cp_fence_sys();
   __syncthreads();
   if (threadIdx.x == 0) is_last = atomicAdd(ps.ticket, 1u) == gridDim.x - 1;
   __syncthreads();
-  if (!is_last) return;
+  if (!is_last && !select) return;
   cp_fence_sys();
   if (!handshake_failed(p)) {
-    if ((int)threadIdx.x < p.world) cp_store_release_sys(ps.peer_s_flag[threadIdx.x], call);
-    if ((int)threadIdx.x < p.world)
-      wait_flag(p, ps.s_flags + threadIdx.x, call, ps.timeout_ticks, kErrTimeoutScores,
-                threadIdx.x);
+    if (is_last && (int)threadIdx.x < p.world)
+      cp_store_release_sys(ps.peer_s_flag[threadIdx.x], call);
+    if ((int)threadIdx.x < p.world &&
+        !wait_flag(p, ps.s_flags + threadIdx.x, call, ps.timeout_ticks, kErrTimeoutScores,
+                   threadIdx.x))
+      cta_failed = 1;
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
+  if (select && !cta_failed && !handshake_failed(p)) merge_candidates(p);
+  if (is_last && threadIdx.x == 0) {
     *ps.ticket = 0u;
+    *ps.barrier = 0u;
     *ps.calls = call;
   }
 }

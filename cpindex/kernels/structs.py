@@ -13,6 +13,8 @@ import torch
 MAX_HEADS = 8
 MAX_WORLD = 16
 MAX_DST = 16
+#: Largest select_blocks topk the kernel fuses (scoring, local top-k, candidate push, merge).
+MAX_FUSED_TOPK = 16
 FORMAT_IDS = {"bf16": 0, "fp8": 1, "nvfp4": 2}
 #: The kernel for nvfp4 values whose tokens are only 8-byte aligned (vLLM's 72-byte tokens).
 NVFP4_NARROW = 3
@@ -41,6 +43,7 @@ class PushState(C.Structure):
         ("peer_q_flag", C.c_void_p * MAX_WORLD),
         ("peer_s_flag", C.c_void_p * MAX_WORLD),
         ("peer_q_ident", C.c_void_p * MAX_WORLD),
+        ("barrier", C.c_void_p),
         ("q_idents", C.c_void_p),
         ("q_src", C.c_void_p),
         ("q_bytes", C.c_int64),
@@ -80,6 +83,13 @@ class ScoreParams(C.Structure):
         ("shard_columns", C.c_int),
         ("out_row_stride", C.c_int64),
         ("ident", C.c_uint64),
+        ("topk", C.c_int),
+        ("heads_per_rank", C.c_int),
+        ("cand_copies", C.c_int),
+        ("cand_dst", C.c_void_p * MAX_DST),
+        ("cand", C.c_void_p),
+        ("ids_out", C.c_void_p),
+        ("scores_out", C.c_void_p),
         ("err", C.c_void_p),
         ("err_host", C.c_void_p),
     ]

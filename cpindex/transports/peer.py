@@ -8,12 +8,15 @@ Region of rank r (offsets in bytes)::
 
     0      calls   u64   completed calls (advanced by the kernel)
     8      ticket  u32   CTAs finished in the current call
+    16     barrier u32   CTAs past scoring in the current select_blocks call
     64     ErrorWord     device copy of this rank's error word
     512    q_flags u64[16]  slot p: last call whose queries rank p delivered here
     1024   s_flags u64[16]  slot p: last call whose scores rank p delivered here
     1536   q_ident u64[16]  slot p: identity of the call whose queries rank p delivered here
     4096   queries [world][max_rows][heads_per_rank][128] (query element size)
     ...    recv    f32 [heads_per_rank][max_rows * max_width]   (used as [hpr, rows, width])
+    ...    cand    i64 [world][heads_per_rank][max_rows * max_topk]  select_blocks candidates
+                   (used as [world][hpr][rows][topk]: slot src holds rank src's top-k keys)
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .. import formats, kernels, partition
+from .. import formats, kernels, partition, selection
 from ..config import CPIndexConfig
 from ..errors import TransportUnavailable
 from ..kernels import structs
@@ -33,7 +36,8 @@ from ..kernels.launcher import ErrorMonitor, KernelScorer
 from ..validation import Call
 from .base import Context, Transport
 
-OFF_CALLS, OFF_TICKET, OFF_ERR, OFF_QFLAGS, OFF_SFLAGS, OFF_QIDENT = 0, 8, 64, 512, 1024, 1536
+OFF_CALLS, OFF_TICKET, OFF_BARRIER, OFF_ERR = 0, 8, 16, 64
+OFF_QFLAGS, OFF_SFLAGS, OFF_QIDENT = 512, 1024, 1536
 FLAG_BYTES = 4096
 
 
@@ -50,7 +54,8 @@ class PeerLayout:
         self.q_slot = _align(cfg.max_rows * hpr * cfg.head_dim * self.elem)
         self.q_off = FLAG_BYTES
         self.recv_off = _align(self.q_off + world * self.q_slot)
-        self.total = self.recv_off + hpr * cfg.max_rows * cfg.max_width * 4
+        self.cand_off = _align(self.recv_off + hpr * cfg.max_rows * cfg.max_width * 4)
+        self.total = self.cand_off + world * hpr * cfg.max_rows * cfg.max_topk * 8
 
 
 class _CudaArray:
@@ -112,7 +117,7 @@ class PushEngine:
         )
         ps = structs.PushState()
         base = bases[rank]
-        ps.calls, ps.ticket = base + OFF_CALLS, base + OFF_TICKET
+        ps.calls, ps.ticket, ps.barrier = base + OFF_CALLS, base + OFF_TICKET, base + OFF_BARRIER
         ps.q_flags, ps.s_flags = base + OFF_QFLAGS, base + OFF_SFLAGS
         ps.q_idents = base + OFF_QIDENT
         for p in range(w):
@@ -123,7 +128,12 @@ class PushEngine:
         ps.timeout_ticks = int(cfg.timeout_s * timeout_ticks_per_s)
         self.push_image = structs.image(ps)
         self._owners = partition.head_owners(cfg.num_heads, w)
-        self._images: dict[tuple[int, int, int, int, int], torch.Tensor] = {}
+        self._images: dict[tuple, torch.Tensor] = {}
+        # select_blocks: this rank's scored share ([H][rows][kw], local) and the results; both
+        # allocated here, never inside a call (graph capture; the one-process world's rule 2).
+        kw = partition.shard_width(cfg.max_width, w)
+        self._shard = torch.empty(cfg.num_heads * cfg.max_rows * kw, device=ctx.device)
+        self.selected = selection.Outputs(cfg, self.hpr, ctx.device)
 
     def _params(
         self, requests: int, query_len: int, width: int, init_blocks: int, local_blocks: int
@@ -151,6 +161,75 @@ class PushEngine:
             out_row_stride=width,
             ident=call_identity(cfg, requests, query_len, width, init_blocks, local_blocks),
         )
+
+    def _select_params(
+        self,
+        requests: int,
+        query_len: int,
+        width: int,
+        init_blocks: int,
+        local_blocks: int,
+        topk: int,
+    ) -> torch.Tensor:
+        """Select mode: scores into the local shard; top-k candidates to each head's owners."""
+        cfg, w, lay, rank = self.ctx.config, self.ctx.world, self.layout, self.ctx.rank
+        rows, kw = requests * query_len, partition.shard_width(width, w)
+        cand_dst = []
+        for h, owners in enumerate(self._owners):
+            for o in owners:
+                slot = partition.heads_of_rank(o, cfg.num_heads, w).index(h)
+                block = (rank * self.hpr + slot) * rows * topk
+                cand_dst.append(self.bases[o] + lay.cand_off + block * 8)
+        ids, scores = self.selected.views(rows, topk)
+        shape = (requests, query_len, width, init_blocks, local_blocks, topk)
+        return self.scorer.params(
+            requests=requests,
+            query_len=query_len,
+            width=width,
+            init_blocks=init_blocks,
+            local_blocks=local_blocks,
+            q_ptr=self.bases[rank] + lay.q_off,
+            q_src_stride=lay.q_slot,
+            q_row_stride=self.hpr * cfg.head_dim * lay.elem,
+            q_heads_per_src=self.hpr,
+            dst=[self._shard.data_ptr() + h * rows * kw * 4 for h in range(cfg.num_heads)],
+            dst_copies=1,
+            shard_columns=True,
+            out_row_stride=kw,
+            ident=call_identity(cfg, *shape),
+            select=dict(
+                topk=topk,
+                heads_per_rank=self.hpr,
+                cand_copies=len(self._owners[0]),
+                cand_dst=cand_dst,
+                cand=self.bases[rank] + lay.cand_off,
+                ids_out=ids.data_ptr(),
+                scores_out=scores.data_ptr(),
+            ),
+        )
+
+    def select_blocks(self, call: Call, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One launch: score this rank's share into the local shard, keep its top ``topk``
+        per (row, head) as candidates, push them to each head's owner, merge the ``W * topk``
+        candidates of this rank's heads. ``topk <= structs.MAX_FUSED_TOPK``."""
+        key = (
+            "select", call.requests, call.query_len, call.width, call.init_blocks,
+            call.local_blocks, topk,
+        )  # fmt: skip
+        img = self._images.get(key)
+        if img is None:
+            img = self._images[key] = self._select_params(*key[1:])
+        self.scorer.launch(
+            call.iq,
+            call.index_cache,
+            call.block_table,
+            call.seq_lens,
+            img,
+            width=call.width,
+            query_len=call.query_len,
+            push=self.push_image,
+        )
+        return self.selected.views(call.rows, topk)
 
     def score_push(self, call: Call) -> torch.Tensor:
         rows, width = call.rows, call.width
@@ -239,6 +318,18 @@ class PeerPushTransport(Transport):
 
     def score_push(self, call: Call) -> torch.Tensor:
         return self.engine.score_push(call)  # type: ignore[union-attr]
+
+    def select_blocks(self, call: Call, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fused candidate exchange (one launch) up to ``structs.MAX_FUSED_TOPK``; larger
+        ``topk`` takes the default (scores, then the selection)."""
+        if topk <= structs.MAX_FUSED_TOPK:
+            return self.engine.select_blocks(call, topk)  # type: ignore[union-attr]
+        return super().select_blocks(call, topk)
+
+    def exchange_bytes(self, rows: int, width: int, topk: int | None = None) -> int:
+        if topk is not None and topk <= structs.MAX_FUSED_TOPK:
+            return selection.candidate_bytes(self.ctx.config, self.ctx.world, rows, topk)
+        return super().exchange_bytes(rows, width, topk)
 
     def self_test(self) -> tuple[bool, str]:
         if not self.ctx.config.ipc_self_test:
