@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,32")
     ap.add_argument("--context", default="32k,128k")
     ap.add_argument("--iters", default="20")
+    ap.add_argument("--query-len", default="1", help="comma list of query rows per request")
     ap.add_argument("variants", nargs="+", type=_variant, help="name=DEFINES")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -50,18 +51,21 @@ def main() -> None:
         path = args.out / f"kernel-{n}.json"
         cmd = [sys.executable, "-m", "cpindex", "bench", "--kernel", "--formats", args.formats,
                "--rows", args.rows, "--context", args.context, "--iters", args.iters,
-               "--out", str(path)]  # fmt: skip
+               "--query-len", args.query_len, "--out", str(path)]  # fmt: skip
         print(f"== {n}: {variants[n] or '(defaults)'}", flush=True)
         subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
         results[n] = json.loads(path.read_text())
     names = list(results)
-    print(f"{'fmt':>5} {'rows':>4} {'ctx':>5} " + " ".join(f"{n:>16}" for n in names))
+    print(f"{'fmt':>5} {'rows':>4} {'T':>2} {'ctx':>5} " + " ".join(f"{n:>16}" for n in names))
     for i, r in enumerate(results[names[0]]["kernel"]):
         cells = []
         for n in names:
             v = results[n]["kernel"][i]
             cells.append(f"{100 * v['of_copy']:>5.0f}% {v['kernel_ms'] * 1e3:>7.1f}us")
-        print(f"{r['format']:>5} {r['rows']:>4} {r['context'] // 1024:>4}K " + " ".join(cells))
+        t = r.get("query_len", 1)
+        print(
+            f"{r['format']:>5} {r['rows']:>4} {t:>2} {r['context'] // 1024:>4}K " + " ".join(cells)
+        )
     (args.out / "variants.json").write_text(json.dumps({"defines": variants, **results}))
 
 

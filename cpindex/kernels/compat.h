@@ -237,19 +237,24 @@ CP_DEVICE uint32_t cp_e4m3x2_to_f16x2(uint32_t two_bytes) {
 }
 #endif
 
-// Eight e2m1 nibbles (one word, element 0 in the low nibble) -> eight e4m3 bytes, through a
-// per-scale table: lut_lo/lut_hi hold e4m3_rn_satfinite(e2m1 magnitude m * scale) for m = 0..7
-// (bytes 0..7). One byte permute looks up four magnitudes at once; the nibbles' sign bits are
-// gathered to each byte's bit 7 by two more permutes and XORed in (a negative scale's entries
-// carry their own sign, so signs combine like the product's). out[0]: elements 0-3, out[1]: 4-7.
+// Eight e2m1 nibbles (one word, element 0 in the low nibble) -> four f16x2 words holding
+// elements (0,1), (2,3), (4,5), (6,7), through a per-scale table: hi and lo hold, for the 8 e2m1
+// magnitudes m (bytes 0..7), the high and low byte of the f16 bits of
+// e4m3_rn_satfinite(m * scale). One byte permute looks up four high (or low) bytes at once; the
+// nibbles' sign bits are gathered to each byte's bit 7 and XORed into the high bytes (a negative
+// scale's entries carry their own sign, so signs combine like the product's); four permutes
+// interleave low and high bytes into f16 pairs. 15 integer ops, no conversion instruction.
 // Selector nibbles keep bit 3 clear: PTX prmt would read it as "replicate the sign", HIP not.
-CP_DEVICE void cp_e2m1x8_lut_e4m3(uint32_t w, uint32_t lut_lo, uint32_t lut_hi, uint32_t (&out)[2]) {
-  const uint32_t mag = w & 0x77777777u;
+CP_DEVICE void cp_e2m1x8_lut_f16x2x4(uint32_t w, uint2 hi, uint2 lo, uint32_t (&out)[4]) {
+  const uint32_t mag = w & 0x77777777u, mag_hi = mag >> 16;
   const uint32_t shifted = w << 4;  // even elements' sign bits at each byte's bit 7
-  const uint32_t sign_lo = __byte_perm(shifted, w, 0x5140u) & 0x80808080u;  // elements 0..3
-  const uint32_t sign_hi = __byte_perm(shifted, w, 0x7362u) & 0x80808080u;  // elements 4..7
-  out[0] = __byte_perm(lut_lo, lut_hi, mag) ^ sign_lo;
-  out[1] = __byte_perm(lut_lo, lut_hi, mag >> 16) ^ sign_hi;
+  const uint32_t h03 = __byte_perm(hi.x, hi.y, mag) ^ (__byte_perm(shifted, w, 0x5140u) & 0x80808080u);
+  const uint32_t h47 = __byte_perm(hi.x, hi.y, mag_hi) ^ (__byte_perm(shifted, w, 0x7362u) & 0x80808080u);
+  const uint32_t l03 = __byte_perm(lo.x, lo.y, mag), l47 = __byte_perm(lo.x, lo.y, mag_hi);
+  out[0] = __byte_perm(l03, h03, 0x5140u);  // lo0, hi0, lo1, hi1: elements 0, 1
+  out[1] = __byte_perm(l03, h03, 0x7362u);  // elements 2, 3
+  out[2] = __byte_perm(l47, h47, 0x5140u);  // elements 4, 5
+  out[3] = __byte_perm(l47, h47, 0x7362u);  // elements 6, 7
 }
 
 // 8 bytes, read once, no reuse (nvfp4 tokens whose stride is not a multiple of 16, e.g. vLLM's

@@ -69,7 +69,8 @@ struct ScoreParams {
   int64_t kv_token_stride;
   int64_t ks_token_stride;
   int64_t num_pages;
-  // nvfp4: [256 scale bytes][8 e2m1 magnitudes] -> e4m3_rn_satfinite(magnitude * scale) bytes
+  // nvfp4: [256 scale bytes][16]: f16 high bytes (0..7) and low bytes (8..15) of
+  // e4m3_rn_satfinite(magnitude * scale) for the 8 e2m1 magnitudes
   const uint8_t* fp4_lut;
   // queries: head h of row i at q + (h / q_heads_per_src) * q_src_stride + i * q_row_stride
   //          + (h % q_heads_per_src) * 128 * elem, in bytes

@@ -21,15 +21,17 @@ PHASES = {structs.ERR_TIMEOUT_QUERIES: "queries", structs.ERR_TIMEOUT_SCORES: "s
 
 
 def nvfp4_lut() -> torch.Tensor:
-    """The nvfp4 key-value table the kernel decodes with: uint8 ``[256, 8]``, entry ``[s, c]``
-    the e4m3 byte of ``e4m3_rn_satfinite(e2m1(c) * e4m3(s))`` for scale byte ``s`` and e2m1
-    magnitude code ``c`` (the sign is applied by the kernel). Built from
-    :func:`cpindex.formats.e4m3_rn_satfinite`, the function the reference dequantizes with, so
-    the kernel's key values are the reference's bit for bit."""
+    """The nvfp4 key-value table the kernel decodes with: uint8 ``[256, 16]``. For scale byte
+    ``s`` and e2m1 magnitude code ``c``, ``v = e4m3_rn_satfinite(e2m1(c) * e4m3(s))`` as f16:
+    byte ``c`` of the entry is the high byte of its f16 bits, byte ``8 + c`` the low byte (the
+    kernel applies the code's sign). Built from :func:`cpindex.formats.e4m3_rn_satfinite`, the
+    function the reference dequantizes with, so the kernel's key values are the reference's bit
+    for bit. (Every e4m3 value is exact in f16.)"""
     scales = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     grid = formats.e2m1_decode(torch.arange(8, dtype=torch.uint8))
     vals = formats.e4m3_rn_satfinite(scales[:, None] * grid[None, :])
-    return vals.to(torch.float8_e4m3fn).view(torch.uint8).contiguous()
+    bits = vals.to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
+    return torch.cat([bits >> 8, bits & 0xFF], dim=1).to(torch.uint8).contiguous()
 
 
 def cache_parts(index_cache: formats.Cache) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -74,7 +76,8 @@ class ErrorMonitor:
             )
         if w.code == structs.ERR_LENGTH:
             raise BadBlockTableError(
-                f"rank {w.rank}: request {w.peer} has seq_lens {w.detail}, shorter than "
+                f"rank {w.rank}: request {w.peer} has seq_lens {C.c_int64(w.detail).value}, "
+                "shorter than "
                 "query_len (a request's length counts its own query tokens); its scores are NaN"
             )
         if w.code == structs.ERR_MISMATCH:

@@ -157,9 +157,10 @@ CP_DEVICE void load_tile(const ScoreParams& p, TileRegs<F>& t, const uint8_t* pa
 CP_DEVICE uint32_t word(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 
 // Token s of a loaded tile as 16 packed pairs (bf16x2 for bf16, f16x2 otherwise). For nvfp4,
-// lut is the CTA's table: entry s holds the 8 e4m3 magnitudes of scale byte s.
+// lut is the CTA's table: entry s holds the f16 high and low bytes of the 8 magnitudes of scale
+// byte s (cpindex.kernels.launcher.nvfp4_lut).
 template <int F>
-CP_DEVICE void unpack(const TileRegs<F>& t, int s, const uint2* lut, uint32_t (&k)[16]) {
+CP_DEVICE void unpack(const TileRegs<F>& t, int s, const uint4* lut, uint32_t (&k)[16]) {
   if constexpr (F == kBF16) {
 #pragma unroll
     for (int l = 0; l < 4; ++l)
@@ -175,14 +176,15 @@ CP_DEVICE void unpack(const TileRegs<F>& t, int s, const uint2* lut, uint32_t (&
         k[8 * l + 2 * i + 1] = cp_e4m3x2_to_f16x2(w >> 16);
       }
   } else {
-    const uint2 tab[2] = {lut[t.scales[s] & 0xffu], lut[t.scales[s] >> 8]};
+    const uint4 tab[2] = {lut[t.scales[s] & 0xffu], lut[t.scales[s] >> 8]};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      uint32_t e4m3[2];
-      cp_e2m1x8_lut_e4m3(word(t.raw[s][0], i), tab[i >> 1].x, tab[i >> 1].y, e4m3);
+      const uint4& e = tab[i >> 1];
+      uint32_t pairs[4];
+      cp_e2m1x8_lut_f16x2x4(word(t.raw[s][0], i), make_uint2(e.x, e.y), make_uint2(e.z, e.w),
+                            pairs);
 #pragma unroll
-      for (int b = 0; b < 4; ++b)
-        k[4 * i + b] = cp_e4m3x2_to_f16x2(b & 1 ? e4m3[b >> 1] >> 16 : e4m3[b >> 1] & 0xffffu);
+      for (int b = 0; b < 4; ++b) k[4 * i + b] = pairs[b];
     }
   }
 }
@@ -437,7 +439,7 @@ CP_DEVICE void init_max(float (&m)[NT][4]) {
 template <int F, int NT>
 CP_DEVICE void score_page(const ScoreParams& p, const uint8_t* page, const uint8_t* scale_page,
                           int limit, bool full, const Cuts<NT>& cuts, const QueryFrag<NT>& q,
-                          const float* q_smem, const uint2* lut, int g, int c,
+                          const float* q_smem, const uint4* lut, int g, int c,
                           float (&val)[NT][2]) {
   // The scalar dot keeps 16 partial sums live: no room to batch loads there. More query tiles
   // hold more registers, so fewer tiles are loaded ahead.
@@ -696,15 +698,14 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   __shared__ __align__(128) uint8_t ring_all[kWarpsPerCta][kRing];
   uint8_t* ring = ring_all[warp];
 #endif
-  __shared__ uint2 lut[kFp4<F> ? 256 : 1];
+  __shared__ uint4 lut[kFp4<F> ? 256 : 1];
   __shared__ int cta_failed;
   __shared__ int is_last;
   uint64_t call = 0;
 
   if (failed(p)) return;  // an earlier call failed: the host raises; don't stall every replay
-  if constexpr (kFp4<F>) {  // 2 KiB: one 16-byte load per thread
-    if (threadIdx.x < 128)
-      reinterpret_cast<uint4*>(lut)[threadIdx.x] = reinterpret_cast<const uint4*>(p.fp4_lut)[threadIdx.x];
+  if constexpr (kFp4<F>) {  // 4 KiB
+    for (int i = threadIdx.x; i < 256; i += kThreads) lut[i] = reinterpret_cast<const uint4*>(p.fp4_lut)[i];
   }
   if (threadIdx.x == 0) cta_failed = 0;
   __syncthreads();
