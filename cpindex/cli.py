@@ -97,10 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--world", type=int, default=4, help="number of ranks W")
     b.add_argument(
         "--formats",
-        type=_names(FORMATS),
+        type=_names([*FORMATS, "nvfp4-vllm"]),
         metavar="LIST",
         default="nvfp4",
-        help="comma list of cache formats",
+        help="comma list of cache formats (--kernel also takes nvfp4-vllm: vLLM's "
+        "[pages, 128, 72] layout)",
     )
     b.add_argument(
         "--rows",

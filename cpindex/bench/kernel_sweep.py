@@ -44,17 +44,20 @@ def run(
         for rows in rows_list:
             for ctx in contexts:
                 blocks = ctx // 128
-                page_bytes = 128 * formats.BYTES_PER_TOKEN[fmt]
+                base = fmt.removesuffix("-vllm")  # nvfp4-vllm: vLLM's [pages, 128, 72] layout
+                page_bytes = 128 * formats.BYTES_PER_TOKEN[base]
                 set_bytes = rows * blocks * page_bytes
                 sets = max(1, min(16, -(-ROTATE_BYTES // set_bytes)))
-                cache = synthetic_cache(sets * rows * blocks, fmt, dev)
+                cache = synthetic_cache(sets * rows * blocks, base, dev)
+                if base != fmt:
+                    cache = formats.to_vllm_layout(cache)
                 tables = torch.arange(sets * rows * blocks, device=dev, dtype=torch.int32)
                 tables = tables.view(sets, rows, blocks)
                 lens = torch.full((rows,), ctx, dtype=torch.int32, device=dev)
                 scanned = rows * (blocks - 1)  # the local block is forced, never read
                 nbytes = scanned * page_bytes
                 for t in query_lens:
-                    q = synthetic_queries(rows * t, 4, fmt, dev)
+                    q = synthetic_queries(rows * t, 4, base, dev)
 
                     def call(i, q=q, cache=cache, tables=tables, lens=lens, sets=sets, t=t):
                         return torch.ops.cpindex.block_scores(
