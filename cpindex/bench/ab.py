@@ -171,11 +171,26 @@ def _time_selection(rec, t, cp, iq, args, kw, spec, device, comm) -> None:
         out = cp.score_push(iq, *args, **kw)
         return out.topk(min(SELECT_TOPK, out.shape[-1]), dim=-1)
 
+    # The first topk allocates its outputs, and an allocation implicitly synchronizes the
+    # device: in the one-process world it must not sit between two ranks' pushes (design.md,
+    # the one-process world, rule 2). So the first one runs with every rank settled; later
+    # calls reuse the cached blocks.
+    out = cp.score_push(iq, *args, **kw)
+    _settled(comm, device)
+    out.topk(min(SELECT_TOPK, out.shape[-1]), dim=-1)
+    _settled(comm, device)
     rec[t + "_select"] = summarize(_time(select, spec, device, cp.capturable, comm))
     rec[t + "_push_topk"] = summarize(_time(push_topk, spec, device, cp.capturable, comm))
     rows, width = iq.shape[0], args[-1]
     rec[t + "_bytes_scores"] = cp.exchange_bytes(rows, width)
     rec[t + "_bytes_select"] = cp.exchange_bytes(rows, width, SELECT_TOPK)
+
+
+def _settled(comm: Comm, device: torch.device) -> None:
+    """This rank's work done and every rank met: nothing of any rank is in flight."""
+    if device.type == "cuda":
+        torch.cuda.current_stream().synchronize()
+    comm.barrier()
 
 
 def _share_fn(prob: testing.Problem, comm: Comm, device: torch.device):
