@@ -128,7 +128,7 @@ LEGEND = "\n".join(
 
 def header() -> str:
     return (
-        f"{'fmt':>5} {'rows':>4} {'T':>2} {'context':>7} {'MiB read':>9} {'kernel us':>10} "
+        f"{'fmt':>10} {'rows':>4} {'T':>2} {'context':>7} {'MiB read':>9} {'kernel us':>10} "
         f"{'GB/s':>6} {'% copy':>6} {'vs T=1':>6} {'triton us':>10} {'speedup':>7}"
     )
 
@@ -138,7 +138,7 @@ def _line(r: dict) -> str:
     extra = f"{t * 1e3:>10.1f} {t / r['kernel_ms']:>6.2f}x" if t else f"{'':>10} {'':>7}"
     vs = f"{r['vs_t1']:>5.2f}x" if "vs_t1" in r else f"{'':>6}"
     return (
-        f"{r['format']:>5} {r['rows']:>4} {r.get('query_len', 1):>2} {r['context'] // 1024:>6}K "
+        f"{r['format']:>10} {r['rows']:>4} {r.get('query_len', 1):>2} {r['context'] // 1024:>6}K "
         f"{r['bytes'] / 2**20:>9.1f} {r['kernel_ms'] * 1e3:>10.1f} {r['gbs']:>6.0f} "
         f"{100 * r['of_copy']:>5.0f}% {vs} {extra}"
     )
