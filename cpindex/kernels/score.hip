@@ -96,7 +96,7 @@ struct Fmt<kFP8> {
 
 // nvfp4: lane c reads its token's 16 value bytes 16c..16c+15 (dims 32c..32c+31: word q holds
 // dims 32c+8q..+7) and the token's scale bytes 2c, 2c+1 (groups of words 0-1 and 2-3). Values
-// become e4m3 bytes through the per-scale table (e4m3_rn_satfinite(e2m1 * scale)), then f16.
+// become f16 pairs of e4m3_rn_satfinite(e2m1 * scale) through the per-scale byte table.
 template <>
 struct Fmt<kNVFP4> {
   static constexpr int kLoads = 1;
