@@ -269,22 +269,27 @@ def nvfp4_layout(cache: Cache, name: str = "index_cache") -> str:
     return _check_nvfp4(cache, name)[0]
 
 
-def nvfp4_views(cache: Cache, name: str = "index_cache") -> tuple[Tensor, Tensor]:
+def nvfp4_views(
+    cache: Cache, name: str = "index_cache", *, checked: bool = False
+) -> tuple[Tensor, Tensor]:
     """Zero-copy views ``(values uint8 [pages, 128, 64], scales uint8 [pages, 128, 8])``.
 
     Works for every nvfp4 layout and never copies: the views alias ``cache``'s storage, so
     writes through them change the cache. Strides follow the layout: product (page stride of
     the input, token strides 64 and 8), vllm (token stride 72 for both), pair (as given; e4m3
-    scales are reinterpreted as uint8). The last dim always has stride 1.
+    scales are reinterpreted as uint8). The last dim always has stride 1. ``checked=True``
+    skips the validation for a cache :func:`check_cache` has already accepted (the launch path
+    splits the cache on every call).
     """
-    layout, pages = _check_nvfp4(cache, name)
-    if layout == "pair":
+    if not checked:
+        _check_nvfp4(cache, name)
+    if isinstance(cache, (tuple, list)):
         packed, scales = cache
         return packed, scales.view(torch.uint8)
-    assert isinstance(cache, Tensor)
-    if layout == "vllm":
+    if cache.dim() == 3:  # vllm
         return cache[:, :, :_ROW_BYTES], cache[:, :, _ROW_BYTES:]
     # Splitting the contiguous last dim of a page slice is always a view.
+    pages = cache.shape[0]
     values = cache[:, :NVFP4_VALUE_BYTES].view(pages, PAGE_TOKENS, _ROW_BYTES)
     scales = cache[:, NVFP4_VALUE_BYTES:].view(pages, PAGE_TOKENS, _GROUPS)
     return values, scales

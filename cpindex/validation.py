@@ -84,23 +84,19 @@ def _nvfp4_tokens_aligned(cache: formats.Cache) -> None:
     """The kernel reads a token's nvfp4 values 8 or 16 bytes at a time (16 when tokens lie a
     multiple of 16 bytes apart, else 8: vLLM's 72-byte tokens) and its two scales of a lane as
     one 2-byte word."""
-    if isinstance(cache, tuple):
-        values, scales = cache[0].stride(1), cache[1].stride(1)
-        names = ("index_cache[0]", "index_cache[1]")
-    elif cache.dim() == 3:  # vLLM's [pages, 128, 72]: both start at the token
-        values = scales = cache.stride(1)
-        names = ("index_cache", "index_cache")
-    else:
-        return  # the product layout: 64 and 8 bytes
-    if values % 8:
+    values, scales = formats.nvfp4_views(cache, checked=True)
+    pair = isinstance(cache, tuple)
+    if values.stride(1) % 8:
         raise ValueError(
-            f"{names[0]}: nvfp4 value tokens must lie a multiple of 8 bytes apart (the kernel "
-            f"reads them 8 or 16 bytes at a time), got a token stride of {values} bytes"
+            f"{'index_cache[0]' if pair else 'index_cache'}: nvfp4 value tokens must lie a "
+            f"multiple of 8 bytes apart (the kernel reads them 8 or 16 bytes at a time), got a "
+            f"token stride of {values.stride(1)} bytes"
         )
-    if scales % 2:
+    if scales.stride(1) % 2:
         raise ValueError(
-            f"{names[1]}: nvfp4 scale tokens must lie an even number of bytes apart (the "
-            f"kernel reads two scales as one 2-byte word), got a token stride of {scales} bytes"
+            f"{'index_cache[1]' if pair else 'index_cache'}: nvfp4 scale tokens must lie an "
+            f"even number of bytes apart (the kernel reads two scales as one 2-byte word), got "
+            f"a token stride of {scales.stride(1)} bytes"
         )
 
 

@@ -37,9 +37,10 @@ def nvfp4_lut() -> torch.Tensor:
 def cache_parts(index_cache: formats.Cache) -> tuple[torch.Tensor, torch.Tensor | None]:
     """What the binding reads keys from: ``(kv, ks)``. bf16/fp8: the cache and None. nvfp4 (any
     layout): zero-copy views of the values ``[pages, 128, 64]`` and scales ``[pages, 128, 8]``,
-    whose page and token strides the binding passes to the kernel."""
+    whose page and token strides the binding passes to the kernel. The cache was validated
+    before (``validation.check_call``), so this only splits it."""
     if isinstance(index_cache, tuple) or index_cache.dtype == torch.uint8:
-        return formats.nvfp4_views(index_cache)
+        return formats.nvfp4_views(index_cache, checked=True)
     return index_cache, None
 
 
