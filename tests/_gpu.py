@@ -56,3 +56,14 @@ def kernel_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         torch.mul(src, 1, out=dst)  # exact; keeps -0 and inf
     else:
         torch.bitwise_or(src.view(torch.uint8), 0, out=dst.view(torch.uint8))
+
+
+def unambiguous(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """(head, row)s whose k-th and (k+1)-th best scores differ by more than fp32 summation
+    noise: there the kernel's selection must equal the float64 reference's."""
+    s = scores.double().nan_to_num(neginf=-1e300)
+    if s.shape[-1] <= k:
+        return torch.ones(s.shape[:-1], dtype=torch.bool)
+    top = s.topk(k + 1, dim=-1).values
+    scale = scores.double().abs().nan_to_num(posinf=0, neginf=0).clamp(max=1e3).amax(-1)
+    return (top[..., k - 1] - top[..., k]).abs() > 1e-4 * scale.clamp(min=1)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _gpu import FORMATS, kernel_copy, needs_gpu
+from _gpu import FORMATS, kernel_copy, needs_gpu, unambiguous
 
 from cpindex import CPIndexConfig, IndexCP, reference, selection, testing
 from cpindex.kernels import structs
@@ -48,15 +48,6 @@ def _problems(fmt: str, t: int, seed: int, n: int = 4):
             p.block_table[:, 1::2] = p.block_table[:, 0:-1:2][:, : p.block_table[:, 1::2].shape[1]]
         out.append(p.to(DEV))
     return out
-
-
-def _unambiguous(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Rows whose k-th and (k+1)-th best finite scores differ by more than fp32 summation noise."""
-    top = scores.double().nan_to_num(neginf=-1e300).topk(min(k + 1, scores.shape[-1]), -1).values
-    if top.shape[-1] <= k:
-        return torch.ones(scores.shape[:-1], dtype=torch.bool)
-    scale = scores.double().abs().nan_to_num(posinf=0, neginf=0).clamp(max=1e3).amax(-1)
-    return (top[..., k - 1] - top[..., k]).abs() > 1e-4 * scale.clamp(min=1)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -101,5 +92,5 @@ def test_fused_selection_matches_scores_and_reference(fmt, world, t, topk):
             )  # fmt: skip
             heads = list(range(rank * i_.shape[0], (rank + 1) * i_.shape[0]))
             heads = [h % ref.shape[0] for h in heads]
-            ok = _unambiguous(f_.cpu(), topk)
+            ok = unambiguous(f_.cpu(), topk)
             assert torch.equal(i_.cpu()[ok], ref[heads][ok]), f"rank {rank}: differs from reference"

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _gpu import FORMATS, kernel_copy, needs_gpu
+from _gpu import FORMATS, kernel_copy, needs_gpu, unambiguous
 
 from cpindex import CPIndexConfig, IndexCP, reference, selection, testing
 from cpindex.world import Comm, in_turn, run_threads
@@ -39,17 +39,6 @@ def _cpu(prob: testing.Problem) -> tuple:
     cache = prob.index_cache
     cache = tuple(c.cpu() for c in cache) if isinstance(cache, tuple) else cache.cpu()
     return prob.q.cpu(), cache, prob.block_table.cpu(), prob.seq_lens.cpu()
-
-
-def _unambiguous(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """(head, row)s whose k-th and (k+1)-th best scores differ by more than fp32 summation
-    noise: there the kernel's selection must equal the float64 reference's."""
-    s = scores.double().nan_to_num(neginf=-1e300)
-    if s.shape[-1] <= k:
-        return torch.ones(s.shape[:-1], dtype=torch.bool)
-    top = s.topk(k + 1, dim=-1).values
-    scale = scores.double().abs().nan_to_num(posinf=0, neginf=0).clamp(max=1e3).amax(-1)
-    return (top[..., k - 1] - top[..., k]).abs() > 1e-4 * scale.clamp(min=1)
 
 
 def _problems(fmt: str, t: int, seed: int, lengths: list[list[int]]) -> list[testing.Problem]:
@@ -116,7 +105,7 @@ def test_transports_agree_and_match_the_scores_selection(fmt, world, t, topk):
             ref = reference.select_blocks(
                 *_cpu(p), init_blocks=1, local_blocks=1, width=p.width, query_len=t, topk=topk
             )[heads]
-            ok = _unambiguous(full, topk)
+            ok = unambiguous(full, topk)
             assert torch.equal(ids[ok], ref[ok]), f"rank {rank}: differs from the reference"
 
 
@@ -213,5 +202,5 @@ def test_10k_graph_replays_batches_shrink_and_grow(topk):
                 kw = dict(init_blocks=0, local_blocks=1, width=p.width, query_len=t)
                 ref = reference.select_blocks(q, cache, table, ref_lens, topk=topk, **kw)
                 scores = reference.block_scores(q, cache, table, ref_lens, **kw)
-                ok = _unambiguous(scores[rank : rank + 1], topk)
+                ok = unambiguous(scores[rank : rank + 1], topk)
                 assert torch.equal(want[g][v][ok], ref[rank : rank + 1][ok])

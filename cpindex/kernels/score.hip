@@ -593,7 +593,7 @@ CP_DEVICE int64_t warp_topk(int n, int k, int lane, Key key) {
 }
 
 // Phase 1: this rank's top k of its share per (row, head), from the local shard, to each owner.
-CP_DEVICE void select_local(const ScoreParams& p, uint64_t call) {
+CP_DEVICE void select_local(const ScoreParams& p) {
   const int lane = threadIdx.x % CP_WARP, warp = threadIdx.x / CP_WARP;
   const int rows = p.requests * p.query_len;
   const int kw = p.width > p.rank ? (p.width - p.rank + p.world - 1) / p.world : 0;
@@ -609,7 +609,6 @@ CP_DEVICE void select_local(const ScoreParams& p, uint64_t call) {
       for (int c = 0; c < p.cand_copies; ++c)
         p.cand_dst[h * p.cand_copies + c][(int64_t)row * p.topk + lane] = key;
   }
-  (void)call;
 }
 
 // Phase 2, on each owner once every rank's candidates are here: the top k of the W * k per
@@ -823,7 +822,7 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   if (select) {  // every CTA's shard columns are written before any CTA selects from them
     cp_fence_sys();
     if (!grid_barrier(p, ps, call)) cta_failed = 1;
-    if (!cta_failed) select_local(p, call);
+    if (!cta_failed) select_local(p);
   }
   // Completion: the last CTA to finish signals every peer; it (or, when selecting, every CTA,
   // which then merges) waits for every peer's signal.
