@@ -12,7 +12,7 @@
 #   variants [ARGS]        python benchmarks/kernel_variants.py  (default: the shipped build
 #                          against the register path and a 4-CTA register cap)
 #   probe [VARIANT WORLD]  benchmarks/handshake_probe.py with CUDA_MODULE_LOADING=EAGER, then LAZY
-#   profile FMT ROWS CTX   Nsight Compute on benchmarks/profile_kernel.py
+#   profile FMT REQ CTX [T]  Nsight Compute on benchmarks/profile_kernel.py (stall reasons too)
 #   all                    tests, demo, bench-kernel and bench-ab with their defaults
 #
 # Environment: OUT (results folder: logs, JSON, PNG; default /tmp/cpindex-device), WHEELS (a
@@ -130,13 +130,16 @@ cmd_probe() {
 }
 
 cmd_profile() {
-  [ $# -eq 3 ] || { echo "usage: device.sh profile FMT ROWS CONTEXT" >&2; return 2; }
-  bounded 120 ncu --clock-control none -k regex:score_kernel --launch-skip 3 --launch-count 1 \
+  [ $# -ge 3 ] || { echo "usage: device.sh profile FMT REQUESTS CONTEXT [QUERY_LEN]" >&2; return 2; }
+  local name="ncu-$(IFS=-; echo "$*").txt"
+  bounded 150 ncu --clock-control none -k regex:score_kernel --launch-skip 3 --launch-count 1 \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-    --section SchedulerStats --section MemoryWorkloadAnalysis \
-    python3 benchmarks/profile_kernel.py "$1" "$2" "$3" > "$OUT/ncu-$1-$2-$3.txt" 2>&1
-  grep -E "DRAM Throughput|Duration|Achieved Occupancy|Registers Per|Issue Slots Busy|No Eligible|Warp Cycles Per Issued" \
-    "$OUT/ncu-$1-$2-$3.txt"
+    --section SchedulerStats --section MemoryWorkloadAnalysis --section InstructionStats \
+    --metrics "regex:^(smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio|l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld\.sum|smsp__inst_executed\.sum)$" \
+    python3 benchmarks/profile_kernel.py "$@" > "$OUT/$name" 2>&1
+  grep -E "DRAM Throughput|Duration|Achieved Occupancy|Registers Per|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|inst_executed.sum|bank_conflicts" \
+    "$OUT/$name"
+  grep -E "issue_stalled" "$OUT/$name" | sort -k3 -g -r | head -8
 }
 
 [ $# -ge 1 ] || { sed -n '2,21p' "$0"; exit 2; }

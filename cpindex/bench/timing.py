@@ -49,10 +49,15 @@ def time_graph(
     comm: Comm | None = None,
 ) -> list[float]:
     """Per-call ms from replays of a CUDA graph holding ``per_graph`` calls. With ``comm``
-    (every rank calls this), ranks capture one at a time (see :func:`cpindex.world.in_turn`)."""
+    (every rank calls this), ranks capture one at a time (see :func:`cpindex.world.in_turn`),
+    and every eager warm-up call ends with all ranks settled: an eager call may allocate or
+    memset (``torch.topk`` of a long row does), which in the one-process world must not sit
+    between two ranks' pushes (docs/design.md, the one-process world, rule 2)."""
     for i in range(warmup):
         fn(i)
-    torch.cuda.current_stream().synchronize()
+        torch.cuda.current_stream().synchronize()  # releases the GIL (one-process world)
+        if comm is not None:
+            comm.barrier()
     g = torch.cuda.CUDAGraph()
 
     def capture() -> None:

@@ -47,6 +47,13 @@ typedef uint32_t cp_lanemask_t;
 #define CP_NATIVE_FP8 0
 #endif
 
+// Warp-wide integer reductions (redux.sync) exist from sm_80.
+#if defined(CP_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define CP_REDUX 1
+#else
+#define CP_REDUX 0
+#endif
+
 #define CP_DEVICE __device__ __forceinline__
 
 // ---- runtime names used by the launcher ----------------------------------------------------------

@@ -548,11 +548,31 @@ CP_DEVICE int64_t make_key(float score, int block) {
   return (int64_t)ordered * 4294967296LL + (int64_t)(0xffffffffu - (uint32_t)block);
 }
 
+#if !CP_REDUX
 CP_DEVICE int64_t shfl_xor64(int64_t v, int mask) {
   const float lo = __int_as_float((int32_t)(uint32_t)v), hi = __int_as_float((int32_t)(v >> 32));
   const uint32_t l = (uint32_t)__float_as_int(cp_shfl_xor(lo, mask));
   const int32_t h = __float_as_int(cp_shfl_xor(hi, mask));
   return (int64_t)h * 4294967296LL + (int64_t)l;
+}
+#endif
+
+// The warp's largest key, in every lane. CUDA (sm_80+): two integer reductions (the high words,
+// then the low words of the lanes holding the top high word); elsewhere a shuffle butterfly.
+CP_DEVICE int64_t warp_max64(int64_t v) {
+#if CP_REDUX
+  const int32_t hi = (int32_t)(v >> 32);
+  const int32_t top = __reduce_max_sync(0xffffffffu, hi);
+  const uint32_t lo = __reduce_max_sync(0xffffffffu, hi == top ? (uint32_t)v : 0u);
+  return (int64_t)top * 4294967296LL + (int64_t)lo;
+#else
+#pragma unroll
+  for (int off = 1; off < CP_WARP; off <<= 1) {
+    const int64_t o = shfl_xor64(v, off);
+    v = o > v ? o : v;
+  }
+  return v;
+#endif
 }
 
 // The warp's `k` largest of `n` keys (key(e) for e < n): lane r < k returns the r-th largest,
@@ -575,12 +595,7 @@ CP_DEVICE int64_t warp_topk(int n, int k, int lane, Key key) {
   }
   int64_t mine = kFiller;
   for (int r = 0; r < k; ++r) {
-    int64_t top = best[0];
-#pragma unroll
-    for (int off = 1; off < CP_WARP; off <<= 1) {
-      const int64_t o = shfl_xor64(top, off);
-      top = o > top ? o : top;
-    }
+    const int64_t top = warp_max64(best[0]);
     if (top == kFiller) break;  // fewer than k keys
     if (lane == r) mine = top;
     if (best[0] == top) {  // keys are unique: one lane pops its head
