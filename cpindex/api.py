@@ -479,10 +479,19 @@ class IndexCP:
             self._busy.release()
 
     def close(self) -> None:
-        """Collective: release buffers and peer mappings. Idempotent."""
+        """Collective, bounded by ``timeout_s``: release buffers and peer mappings. Idempotent.
+
+        ``ipc`` and ``mori`` ranks meet before freeing memory their peers write into. A rank
+        that does not come within ``timeout_s`` makes the others raise
+        :class:`PeerTimeoutError` naming it; they keep that memory then (a late peer may still
+        write into it) until the process ends."""
         if not self._closed:
             self._closed = True
-            self._transport.close()
+            self._transport.close(
+                meet=lambda: lockstep.meet(
+                    self.comm, f"close/{self._instance}", self.config.timeout_s, what="close"
+                )
+            )
 
     def __enter__(self) -> IndexCP:
         return self

@@ -13,6 +13,8 @@ rank (all ranks complete it, or all raise):
   peers raise at once rather than waiting out the timeout.
 * **reset**: brings the ranks back to call 0 and realigns the group's round counter.
 
+and :func:`meet`, the bounded barrier ``close()`` holds before freeing memory peers write into.
+
 Payloads travel as JSON text (no pickle between processes).
 """
 
@@ -176,3 +178,10 @@ def exchange(
             call=call_no,
             phase=what,
         ) from None
+
+
+def meet(comm: Comm, key: str, timeout_s: float, *, what: str) -> None:
+    """A barrier bounded by ``timeout_s``, in the round named ``key`` (unique per use, the same
+    on every rank). Raises :class:`PeerTimeoutError` naming the ranks that did not come, or
+    :class:`PeerConnectionError`, like :func:`exchange`."""
+    exchange(comm, key, comm.rank, timeout_s, what=what)

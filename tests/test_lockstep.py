@@ -4,10 +4,11 @@ Every scenario runs on 2 ranks of the ``collective`` transport in two worlds: re
 processes (one spawn runs every scenario in turn, its results are checked here) and the
 in-process world. Scenarios: construction with differing configurations or transports, a rank
 refusing its own bad input, ranks calling with different shapes, forcing counts or lengths, two
-instances called in different orders, a late peer, a reset a rank misses, a rank that stalls
-inside a call, and a dead peer. Each one must end in an error on every rank that names what
-differs (or who is missing) within ``timeout_s`` plus a stated slack, never wrong scores, a
-hang or an abort; after ``reset()`` the ranks compute correct scores again.
+instances called in different orders, a late peer, a reset a rank misses, close's bounded
+barrier, a rank that stalls inside a call, and a dead peer. Each one must end in an error on
+every rank that names what differs (or who is missing) within ``timeout_s`` plus a stated
+slack, never wrong scores, a hang or an abort; after ``reset()`` the ranks compute correct
+scores again.
 
 Everything is bounded: small ``timeout_s``, ``spawn_processes(timeout_s=)``, and a
 faulthandler guard that ends the test process if a test hangs anyway.
@@ -27,7 +28,7 @@ import pytest
 import torch
 
 import cpindex
-from cpindex import partition, reference, testing
+from cpindex import lockstep, partition, reference, testing
 from cpindex.config import CPIndexConfig
 from cpindex.world import Comm, TorchComm, run_threads, spawn_processes
 
@@ -218,6 +219,17 @@ def sc_reset_missed(comm: Comm, rank: int) -> dict:
         return {"first": first, "second": second, "correct": _correct(cp)}
 
 
+def sc_close_meet(comm: Comm, rank: int) -> dict:
+    """close()'s bounded barrier, which ipc and mori ranks hold before freeing memory their
+    peers write into: a rank that misses it is named within timeout_s; the next round finds
+    both."""
+    if rank == 1:
+        time.sleep(1.5 * TIMEOUT)  # misses round a
+    missed = _attempt(lambda: lockstep.meet(comm, "close-test/a", TIMEOUT, what="close"))
+    both = _attempt(lambda: lockstep.meet(comm, "close-test/b", TIMEOUT, what="close"))
+    return {"missed": missed, "both": both}
+
+
 def sc_stall_in_call(comm: Comm, rank: int) -> dict:
     """Rank 1 stalls inside a call, after the header (two instances share the group): rank 0's
     data collective times out naming rank 1, and reset() says the group cannot be reused."""
@@ -250,6 +262,7 @@ SCENARIOS: dict[str, Callable[[Comm, int], dict]] = {
     "instances_order": sc_instances_order,
     "late_peer": sc_late_peer,
     "reset_missed": sc_reset_missed,
+    "close_meet": sc_close_meet,
 }
 GLOO_ONLY = {"stall_in_call": sc_stall_in_call}  # last: it leaves the group unusable
 
@@ -403,6 +416,20 @@ def test_reset_is_bounded_and_names_who_did_not_come(kind, tmp_path_factory):
     for r in (r0, r1):
         assert r["second"]["type"] is None, r["second"]
         assert r["correct"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_close_meeting_is_bounded_and_names_who_did_not_come(kind, tmp_path_factory):
+    r0, r1 = _scenario(kind, "close_meet", tmp_path_factory)
+    missed = r0["missed"]
+    assert missed["type"] == "PeerTimeoutError" and missed["peer"] == 1, missed
+    assert "close timed out" in missed["msg"] and "rank(s) 1" in missed["msg"], missed
+    assert TIMEOUT * 0.9 <= missed["s"] < TIMEOUT + SLACK
+    late = r1["missed"]
+    assert late["type"] == "PeerTimeoutError" and "gave up waiting" in late["msg"], late
+    assert late["s"] < SLACK
+    for r in (r0, r1):
+        assert r["both"]["type"] is None, r["both"]
 
 
 def test_gloo_stall_inside_a_call_names_the_rank_and_refuses_reset(tmp_path_factory):

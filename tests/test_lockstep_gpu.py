@@ -258,6 +258,24 @@ def test_reset_is_bounded_and_names_who_did_not_come():
     assert_scores(out1, _want(1))
 
 
+def test_close_is_bounded_and_names_who_did_not_come():
+    """ipc ranks meet before freeing memory their peers write into; a rank that does not come
+    is named within timeout_s and the memory is kept (not freed under a late peer)."""
+
+    def job(comm):
+        cp = IndexCP(_cfg(), device=DEV, comm=comm)
+        _good(cp, comm)
+        if comm.rank == 1:
+            time.sleep(1.5 * TIMEOUT)  # rank 0 gives up waiting for this rank's close
+        return _try(cp.close)
+
+    c0, c1 = _world(job)
+    assert c0["type"] == PeerTimeoutError.__name__ and c0["peer"] == 1, c0
+    assert "close timed out" in c0["msg"], c0
+    assert c0["s"] < TIMEOUT + 1.5
+    assert c1["type"] == PeerTimeoutError.__name__  # came after rank 0 gave up: told at once
+
+
 def test_sync_error_check_raises_in_the_failing_call():
     def job(comm):
         with IndexCP(_cfg(error_check="sync"), device=DEV, comm=comm) as cp:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -132,8 +133,10 @@ class Transport(ABC):
         None."""
         return None
 
-    def close(self) -> None:  # noqa: B027 - optional hook
-        """Release resources. Idempotent."""
+    def close(self, meet: Callable[[], object] | None = None) -> None:  # noqa: B027 - optional hook
+        """Release resources. Idempotent. A transport whose memory peers write into waits for
+        its device, then calls ``meet`` (default: a barrier of the group) so that no peer is
+        still writing when it frees; if ``meet`` raises, the memory is kept."""
 
 
 REGISTRY: dict[str, type[Transport]] = {}

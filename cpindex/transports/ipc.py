@@ -9,6 +9,8 @@ allocations of the shared GPU and their addresses are exchanged as they are.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .. import kernels
@@ -90,13 +92,13 @@ class IpcTransport(PeerPushTransport):
             bases = guarded(ctx, "opening peers' IPC handles", open_all)
         self.engine = PushEngine(ctx, layout, bases, mod.clock_ticks_per_second(dev))
 
-    def close(self) -> None:
+    def close(self, meet: Callable[[], object] | None = None) -> None:
         if self._ptr == 0:
             return
         mod = kernels.load(self.ctx.device)
         dev = self.ctx.device.index
         torch.cuda.synchronize(self.ctx.device)
-        self.ctx.comm.barrier()  # no peer still writes into memory about to go away
+        (meet or self.ctx.comm.barrier)()  # no peer still writes into memory about to go away
         for p in self._opened:
             mod.ipc_close(p, dev)
         self._opened.clear()

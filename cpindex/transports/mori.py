@@ -566,11 +566,11 @@ class MoriTransport(PeerPushTransport):
             ctx, "mori push engine", lambda: PushEngine(ctx, layout, bases, ticks)
         )
 
-    def close(self) -> None:
+    def close(self, meet: Callable[[], object] | None = None) -> None:
         if self._raw == 0 and self._world is None:
             return
         torch.cuda.synchronize(self.ctx.device)
-        self.ctx.comm.barrier()  # no peer still writes into memory about to go away
+        (meet or self.ctx.comm.barrier)()  # no peer still writes into memory about to go away
         self._teardown()
 
     def _teardown(self) -> None:
