@@ -121,7 +121,8 @@ def test_bench_cpu_writes_json(tmp_path):
     body = lines[headers[0] + 1 : headers[0] + 3]
     assert [ln.split()[:2] for ln in body] == [["nvfp4", "1"], ["nvfp4", "3"]], proc.stdout
     assert sum(ln.lstrip().startswith("nvfp4") for ln in lines) == 2, proc.stdout
-    for word in ("  x ", "  GB/s ", "  score ", "  no-CP "):  # the legend under the table
+    assert sum(ln.startswith("copy bandwidth: ") for ln in lines) == 1, proc.stdout
+    for word in ("  x ", "  GB/s ", "  score ", "  % copy ", "  no-CP "):  # the legend
         assert any(ln.startswith(word) for ln in lines), (word, proc.stdout)
     assert list(tmp.iterdir()) == []
     text = out.read_text()
@@ -131,6 +132,7 @@ def test_bench_cpu_writes_json(tmp_path):
     for r in data["results"]:
         assert r["agree"] == {"collective": True}
         assert r["collective"]["median_ms"] > 0 and r["nocp"]["median_ms"] > 0
+        assert r["copy_gbs"] > 0 and 0 < r["scan_bytes_rank0"] <= r["scan_bytes_rank"]
 
 
 @pytest.mark.parametrize("args", [["--rows", "1,x"], ["--transports", "ipc,carrier"]])

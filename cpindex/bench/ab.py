@@ -22,7 +22,14 @@ from .. import formats, ops, partition, reference, testing  # noqa: F401  (ops: 
 from ..api import IndexCP
 from ..config import CPIndexConfig
 from ..world import Comm, TorchComm, run_threads, spawn_processes
-from .timing import summarize, synthetic_cache, synthetic_queries, time_calls, time_graph
+from .timing import (
+    copy_bandwidth_gbs,
+    summarize,
+    synthetic_cache,
+    synthetic_queries,
+    time_calls,
+    time_graph,
+)
 
 SELECT_TOPK = 16  # MiniMax-M3's sparse_topk_blocks
 
@@ -87,6 +94,10 @@ def _rank_job(comm: Comm, spec: Spec, device: torch.device) -> list[dict]:
     out: list[dict] = []
     shapes = len(spec.formats) * len(spec.rows) * len(spec.contexts)
     bar = _progress(shapes, comm.rank == 0)
+    copy_gbs = None
+    if comm.rank == 0:  # alone on the device: the roofline the 'score' column is read against
+        copy_gbs = copy_bandwidth_gbs(device, 1 << 30 if device.type == "cuda" else 1 << 26)
+    comm.barrier()
     for fmt in spec.formats:
         cps = {}
         for t in spec.transports:
@@ -105,6 +116,7 @@ def _rank_job(comm: Comm, spec: Spec, device: torch.device) -> list[dict]:
                 args = (prob.index_cache, prob.block_table, prob.seq_lens, 0, 1, prob.width)
                 kw = {"query_len": spec.query_len}
                 rec = {
+                    "copy_gbs": copy_gbs,
                     "format": fmt,
                     "rows": rows,
                     "query_len": spec.query_len,
@@ -147,6 +159,9 @@ def _rank_job(comm: Comm, spec: Spec, device: torch.device) -> list[dict]:
                         for r in range(comm.world_size)
                     )
                     * page
+                )
+                rec["scan_bytes_rank0"] = (
+                    partition.scanned_blocks(prob.seq_lens, 0, comm.world_size, 0, 1) * page
                 )
                 rec["scan_bytes_full"] = partition.scanned_blocks(prob.seq_lens, 0, 1, 0, 1) * page
                 out.append(rec)
@@ -256,7 +271,7 @@ def header(transports: list[str]) -> str:
     cols = "".join(f" {t + ' us':>13} {'x':>5}" for t in transports)
     return (
         f"{'fmt':>5} {'rows':>4} {'T':>2} {'ctx':>5} {'MiB/rank':>8} {'GB/s':>7}{cols} "
-        f"{'score us':>9} {'no-CP us':>9} {'CP gain':>7} {'agree':>5}"
+        f"{'score us':>9} {'% copy':>6} {'no-CP us':>9} {'CP gain':>7} {'agree':>5}"
     )
 
 
@@ -267,16 +282,20 @@ def line(r: dict, transports: list[str]) -> str:
     score = r.get("score", {}).get("median_ms")
     nocp = r.get("nocp", {}).get("median_ms")
     gain = f"{nocp / best:>6.2f}x" if nocp else ""  # no-CP time over the fastest CP transport
+    copy = r.get("copy_gbs")
+    share = f"{r['scan_bytes_rank0'] / score / 1e6 / copy:>6.0%}" if score and copy else ""
     return (
         f"{r['format']:>5} {r['rows']:>4} {r.get('query_len', 1):>2} {r['context'] // 1024:>4}K "
         f"{r['scan_bytes_rank'] / 2**20:>8.2f} {r['scan_bytes_rank'] / best / 1e6:>7.2f}{cols} "
-        f"{(score or 0) * 1e3:>9.1f} {(nocp or 0) * 1e3:>9.1f} {gain:>7} "
+        f"{(score or 0) * 1e3:>9.1f} {share:>6} {(nocp or 0) * 1e3:>9.1f} {gain:>7} "
         f"{'yes' if all(r['agree'].values()) else 'NO':>5}"
     )
 
 
 def table(rows: list[dict], transports: list[str]) -> str:
-    out = [header(transports), *(line(r, transports) for r in rows)]
+    copy = rows[0].get("copy_gbs") if rows else None
+    out = [f"copy bandwidth: {copy:.0f} GB/s (read + write, rank 0 alone)"] if copy else []
+    out += [header(transports), *(line(r, transports) for r in rows)]
     if any(t + "_select" in r for r in rows for t in transports):
         out += ["", select_header(), *(select_line(r, t) for r in rows for t in transports)]
     return "\n".join(out)
@@ -313,6 +332,7 @@ def legend(spec: Spec, rows: list[dict]) -> str:
             "  x         that time over the fastest transport's (1.00 = fastest)",
             "  score     rank 0's share scored alone, no exchange: what each GPU spends",
             "            scanning in a real W-GPU deployment",
+            "  % copy    rank 0's share's bytes over that time, against the copy bandwidth above",
             "  no-CP     one rank scoring every block for its own head (TP without CP)",
             "  CP gain   no-CP over the fastest transport",
             "  agree     every transport's output equals the single-device result, bit for bit",
