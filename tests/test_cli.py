@@ -135,6 +135,22 @@ def test_bench_cpu_writes_json(tmp_path):
         assert r["copy_gbs"] > 0 and 0 < r["scan_bytes_rank0"] <= r["scan_bytes_rank"]
 
 
+def test_bench_cpu_select_prints_bytes_beside_times(tmp_path):
+    """`cpindex bench --select` on CPU: select_blocks beside score_push + topk, and the bytes of
+    both exchanges; the candidate bytes do not change with the context."""
+    out = tmp_path / "bench.json"
+    proc = _cpindex("bench", "--world", "2", "--rows", "2", "--context", "2k,8k", "--iters", "1",
+                    "--query-len", "4", "--select", "--out", str(out), timeout=180)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sum("select us" in ln and "push+topk us" in ln for ln in proc.stdout.splitlines()) == 1
+    rows = json.loads(out.read_text())["results"]
+    assert [r["context"] for r in rows] == [2048, 8192]
+    for r in rows:
+        assert r["collective_select"]["median_ms"] > 0 and r["collective_topk"]["median_ms"] > 0
+    assert rows[0]["collective_bytes_select"] == rows[1]["collective_bytes_select"] > 0
+    assert rows[1]["collective_bytes_scores"] == 4 * rows[0]["collective_bytes_scores"]
+
+
 @pytest.mark.parametrize("args", [["--rows", "1,x"], ["--transports", "ipc,carrier"]])
 def test_bench_bad_lists_exit_2(args):
     res = _cpindex("bench", *args, timeout=60)
