@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _worlds import Worlds
 
 import cpindex
 from cpindex import partition, reference, testing
@@ -199,25 +200,11 @@ def gloo_rank(rank: int, world: int, out_dir: str) -> None:
 
 # --------------------------------------------------------------------------- worlds (cached)
 
-_WORLDS: dict[tuple[str, int], list[dict] | Exception] = {}
+_WORLDS = Worlds("collective", gloo_rank, lambda comm: _run_cases(comm.rank, comm.world_size, comm))
 
 
 def _world(kind: str, world: int, tmp_path_factory) -> list[dict]:
-    key = (kind, world)
-    if key not in _WORLDS:
-        try:
-            if kind == "gloo":
-                d = tmp_path_factory.mktemp(f"gloo{world}")
-                spawn_processes(world, gloo_rank, str(d), backend="gloo")
-                _WORLDS[key] = [torch.load(d / f"rank{r}.pt") for r in range(world)]
-            else:
-                _WORLDS[key] = run_threads(world, lambda comm: _run_cases(comm.rank, world, comm))
-        except Exception as e:  # start a broken world once, not once per case
-            _WORLDS[key] = e  # type: ignore[assignment]
-    res = _WORLDS[key]
-    if isinstance(res, Exception):
-        raise RuntimeError(f"the {kind} world of {world} ranks failed") from res
-    return res
+    return _WORLDS.results(kind, world, tmp_path_factory)
 
 
 @functools.cache

@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 import torch
+from _worlds import Worlds
 
 import cpindex
 from cpindex import lockstep, partition, reference, testing
@@ -285,26 +286,17 @@ def gloo_rank(rank: int, world: int, path: str) -> None:
     torch.save(res, Path(path) / f"rank{rank}.pt")
 
 
-_WORLDS: dict[str, list[dict] | BaseException] = {}
+_WORLDS = Worlds(
+    "lockstep",
+    gloo_rank,
+    lambda comm: _run_scenarios(comm, list(SCENARIOS)),
+    gloo_timeout_s=180,
+    threads_timeout_s=60,
+)
 
 
 def _results(kind: str, tmp_path_factory) -> list[dict]:
-    if kind not in _WORLDS:
-        try:
-            if kind == "gloo":
-                d = tmp_path_factory.mktemp("lockstep")
-                spawn_processes(2, gloo_rank, str(d), timeout_s=180)
-                _WORLDS[kind] = [torch.load(d / f"rank{r}.pt") for r in range(2)]
-            else:
-                _WORLDS[kind] = run_threads(
-                    2, lambda comm: _run_scenarios(comm, list(SCENARIOS)), timeout_s=60
-                )
-        except BaseException as e:  # start a broken world once, not once per test
-            _WORLDS[kind] = e
-    res = _WORLDS[kind]
-    if isinstance(res, BaseException):
-        raise RuntimeError(f"the {kind} world failed") from res
-    return res
+    return _WORLDS.results(kind, 2, tmp_path_factory)
 
 
 def _scenario(kind: str, name: str, tmp_path_factory) -> list[dict]:

@@ -16,13 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from _worlds import Worlds
 
 import cpindex
 from cpindex import formats, ops, partition, reference, selection, testing
 from cpindex.config import CPIndexConfig
 from cpindex.transports.base import Transport
 from cpindex.validation import check_call
-from cpindex.world import run_threads, spawn_processes
+from cpindex.world import run_threads
 
 MAX_REQUESTS, MAX_T, MAX_WIDTH, MAX_TOPK = 5, 4, 80, 64
 
@@ -181,29 +182,11 @@ def gloo_rank(rank: int, world: int, out_dir: str) -> None:
 
 # --------------------------------------------------------------------------- worlds (cached)
 
-_WORLDS: dict[tuple[str, int], list[dict] | Exception] = {}
+_WORLDS = Worlds("select", gloo_rank, lambda comm: _run_cases(comm.rank, comm.world_size, comm))
 
 
 def _world(kind: str, world: int, tmp_path_factory) -> list[dict]:
-    key = (kind, world)
-    if key not in _WORLDS:
-        try:
-            if kind == "gloo":
-                d = tmp_path_factory.mktemp(f"select-gloo{world}")
-                spawn_processes(world, gloo_rank, str(d), backend="gloo")
-                got = [torch.load(d / f"rank{r}.pt") for r in range(world)]
-                failed = [g for g in got if isinstance(g, str)]
-                if failed:
-                    raise RuntimeError(failed[0])
-                _WORLDS[key] = got
-            else:
-                _WORLDS[key] = run_threads(world, lambda comm: _run_cases(comm.rank, world, comm))
-        except Exception as e:  # start a broken world once, not once per case
-            _WORLDS[key] = e  # type: ignore[assignment]
-    res = _WORLDS[key]
-    if isinstance(res, Exception):
-        raise RuntimeError(f"the {kind} world of {world} ranks failed") from res
-    return res
+    return _WORLDS.results(kind, world, tmp_path_factory)
 
 
 @functools.cache

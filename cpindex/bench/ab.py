@@ -193,6 +193,7 @@ def _time_selection(rec, t, cp, iq, args, kw, spec, device, comm) -> None:
     comm.barrier()  # every rank's push done: topk alone from here on
     k = min(SELECT_TOPK, scores.shape[-1])
     rec[t + "_select"] = summarize(_time(select, spec, device, cp.capturable, comm))
+    comm.barrier()  # every rank's selections done before any topk (which may memset) starts
     rec[t + "_topk"] = summarize(_time(lambda i: scores.topk(k, dim=-1), spec, device, True, comm))
     rec[t + "_push_topk"] = {"median_ms": rec[t]["median_ms"] + rec[t + "_topk"]["median_ms"]}
     rows, width = iq.shape[0], args[-1]
