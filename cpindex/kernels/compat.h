@@ -84,6 +84,10 @@ CP_DEVICE float cp_shfl(float v, int src) {
 #endif
 }
 
+CP_DEVICE int cp_shfl_int(int v, int src) {
+  return __float_as_int(cp_shfl(__int_as_float(v), src));
+}
+
 CP_DEVICE void cp_syncwarp() {
 #if defined(CP_HIP)
   __builtin_amdgcn_wave_barrier();

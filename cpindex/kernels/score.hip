@@ -30,6 +30,9 @@
 #ifndef CP_NVFP4_BATCH  // nvfp4 tiles loaded before their math, for one query tile
 #define CP_NVFP4_BATCH 8
 #endif
+#ifndef CP_GROUP_MAX  // consecutive blocks of one request a warp takes as one group (1: one each)
+#define CP_GROUP_MAX 8
+#endif
 #ifndef CP_MAX_QUERY_TILES  // query n-tiles (8 vectors each) per pass over a page: 1, 2 or 4
 #define CP_MAX_QUERY_TILES 4
 #endif
@@ -469,23 +472,35 @@ CP_DEVICE void score_page(const ScoreParams& p, const uint8_t* page, const uint8
   finish_page<NT>(p, m, val);
 }
 
+// A page of a stream: its key bytes, the tokens of it the request's last row sees (limit) and
+// whether every row sees all 128 (full).
+struct PageRef {
+  const uint8_t* kv;
+  const uint8_t* ks;  // nvfp4 scales (null otherwise)
+  int limit;
+  bool full;
+};
+
 #if CP_SMEM_ON
-// The same page through a per-warp ring of kStages tiles in shared memory: tile t + kStages - 1
-// is in flight while tile t is scored. A tile's 16 rows hold its tokens in order, 16-byte chunk
-// x of row r stored at chunk x ^ (r % 8), so that ldmatrix's 8 rows hit 8 different banks.
+// A stream of m pages through a per-warp ring of kStages tiles in shared memory: tile t +
+// kStages - 1 is in flight while tile t is scored, across page boundaries too, so a warp's next
+// page is already arriving while it finishes the current one. A tile's 16 rows hold its tokens
+// in order, 16-byte chunk x of row r stored at chunk x ^ (r % 8), so that ldmatrix's 8 rows hit
+// 8 different banks. page_of(r) gives page r (a warp-wide call); done(r, val) takes its maxima.
 template <int F>
 constexpr int kTileBytes = kTileTokens * Fmt<F>::kTokenBytes;
 template <int F>
 constexpr int kStages = Fmt<F>::kRing ? CP_SMEM_RING / kTileBytes<F> : 0;
 
-template <int F, int NT>
-CP_DEVICE void score_page_smem(const ScoreParams& p, const uint8_t* page, int limit, bool full,
-                               const Cuts<NT>& cuts, const QueryFrag<NT>& q, int g, int c,
-                               uint8_t* ring, float (&val)[NT][2]) {
+template <int F, int NT, typename PageOf, typename Done>
+CP_DEVICE void score_pages_smem(const ScoreParams& p, int m, PageOf page_of, const Cuts<NT>& cuts,
+                                const QueryFrag<NT>& q, int g, int c, uint8_t* ring, Done done) {
   constexpr int S = kStages<F>, kRow = Fmt<F>::kTokenBytes, kChunks = kRow / 16;
+  // A page's tiles fill whole turns of the ring, so tile t of any page sits in slot t % S.
+  static_assert(S >= 2 && kTilesPerPage % S == 0, "the ring must divide a page");
   const int lane = 4 * g + c;
   const uint32_t ring_addr = cp_smem_addr(ring);
-  auto issue = [&](int t) {  // tile t: 512 contiguous bytes per instruction
+  auto issue = [&](const uint8_t* page, int t) {  // tile t: 512 contiguous bytes per instruction
     const uint32_t slot = ring_addr + (t % S) * kTileBytes<F>;
 #pragma unroll
     for (int i = 0; i < kTileBytes<F> / (16 * CP_WARP); ++i) {
@@ -493,45 +508,53 @@ CP_DEVICE void score_page_smem(const ScoreParams& p, const uint8_t* page, int li
       cp_async16(slot + r * kRow + ((x ^ (r & 7)) << 4), page + t * kTileBytes<F> + id * 16);
     }
   };
+  PageRef cur = page_of(0);
 #pragma unroll
   for (int t = 0; t < S - 1; ++t) {
-    issue(t);
+    issue(cur.kv, t);
     cp_async_commit();
   }
-  float m[NT][4];
-  init_max(m);
   // ldmatrix rows: lanes 0-7 and 16-23 read tokens 0-7, lanes 8-15 and 24-31 tokens 8-15;
   // lanes 16-31 read the chunk after lanes 0-15's.
   const int r = (lane & 7) + (lane & 8), hi = lane >> 4;
+  for (int pg = 0; pg < m; ++pg) {
+    const PageRef next = pg + 1 < m ? page_of(pg + 1) : PageRef{nullptr, nullptr, 0, false};
+    float mx[NT][4];
+    init_max(mx);
 #pragma unroll
-  for (int t = 0; t < kTilesPerPage; ++t) {
-    if (t + S - 1 < kTilesPerPage) issue(t + S - 1);
-    cp_async_commit();  // empty near the end: keeps "S - 1 groups after tile t" true
-    cp_async_wait<S - 1>();
-    cp_syncwarp();  // every lane's copies of tile t are visible to every lane
-    const uint32_t slot = ring_addr + (t % S) * kTileBytes<F> + r * kRow;
-    uint32_t k0[16], k1[16];
+    for (int t = 0; t < kTilesPerPage; ++t) {
+      if (t + S - 1 < kTilesPerPage) issue(cur.kv, t + S - 1);
+      else if (next.kv != nullptr) issue(next.kv, t + S - 1 - kTilesPerPage);
+      cp_async_commit();  // possibly empty: keeps "S - 1 groups after tile t" true
+      cp_async_wait<S - 1>();
+      cp_syncwarp();  // every lane's copies of tile t are visible to every lane
+      const uint32_t slot = ring_addr + (t % S) * kTileBytes<F> + r * kRow;
+      uint32_t k0[16], k1[16];
 #pragma unroll
-    for (int u = 0; u < kChunks / 2; ++u) {  // chunks 2u, 2u + 1 of tokens 0-15
-      uint32_t x[4];
-      cp_ldmatrix_x4(slot + (((2 * u + hi) ^ (r & 7)) << 4), x);
-      if constexpr (Fmt<F>::kBf16) {  // one k-step: pairs 2u, 2u + 1
-        k0[2 * u] = x[0], k1[2 * u] = x[1], k0[2 * u + 1] = x[2], k1[2 * u + 1] = x[3];
-      } else {  // two k-steps: pairs 4u .. 4u + 3, each word four e4m3 values
+      for (int u = 0; u < kChunks / 2; ++u) {  // chunks 2u, 2u + 1 of tokens 0-15
+        uint32_t x[4];
+        cp_ldmatrix_x4(slot + (((2 * u + hi) ^ (r & 7)) << 4), x);
+        if constexpr (Fmt<F>::kBf16) {  // one k-step: pairs 2u, 2u + 1
+          k0[2 * u] = x[0], k1[2 * u] = x[1], k0[2 * u + 1] = x[2], k1[2 * u + 1] = x[3];
+        } else {  // two k-steps: pairs 4u .. 4u + 3, each word four e4m3 values
 #pragma unroll
-        for (int w = 0; w < 4; ++w) {  // x[w]: tokens 0-7 (k0) or 8-15 (k1), chunk 2u + w / 2
-          uint32_t(&k)[16] = (w & 1) ? k1 : k0;
-          k[4 * u + 2 * (w >> 1)] = cp_e4m3x2_to_f16x2(x[w] & 0xffffu);
-          k[4 * u + 2 * (w >> 1) + 1] = cp_e4m3x2_to_f16x2(x[w] >> 16);
+          for (int w = 0; w < 4; ++w) {  // x[w]: tokens 0-7 (k0) or 8-15 (k1), chunk 2u + w / 2
+            uint32_t(&k)[16] = (w & 1) ? k1 : k0;
+            k[4 * u + 2 * (w >> 1)] = cp_e4m3x2_to_f16x2(x[w] & 0xffffu);
+            k[4 * u + 2 * (w >> 1) + 1] = cp_e4m3x2_to_f16x2(x[w] >> 16);
+          }
         }
       }
+      cp_syncwarp();  // slot t % S is read before a later tile refills it
+      float acc[NT][4];
+      tile_dot<F, NT>(k0, k1, q, nullptr, c, acc);
+      keep_max<NT>(mx, acc, t * kTileTokens + g, cur.limit, cur.full, cuts);
     }
-    cp_syncwarp();  // slot t % S is read before the next iteration refills it
-    float acc[NT][4];
-    tile_dot<F, NT>(k0, k1, q, nullptr, c, acc);
-    keep_max<NT>(m, acc, t * kTileTokens + g, limit, full, cuts);
+    float val[NT][2];
+    finish_page<NT>(p, mx, val);
+    done(pg, val);
+    cur = next;
   }
-  finish_page<NT>(p, m, val);
 }
 #endif
 
@@ -687,8 +710,47 @@ CP_DEVICE bool grid_barrier(const ScoreParams& p, const PushState& ps, uint64_t 
   return ok != 0;
 }
 
-#if defined(CP_MIN_CTAS) && !defined(CP_HIP)  // measurement: cap registers for this many CTAs/SM
+// Item (request i, block j) of one pass: lanes 0..3 hold vectors (2c, 2c + 1) of every n-tile
+// and write each row's value with its own causal length and the contract's forcing order. col is
+// j (full layout) or the rank's shard column k.
+template <int NT>
+CP_DEVICE void write_scores(const ScoreParams& p, const Vecs& vs, int i, int j, int k, int len,
+                            int v0, const Cuts<NT>& cuts, bool bad, const float (&val)[NT][2],
+                            int g, int c) {
+  if (g != 0) return;
+  const int col = p.shard_columns ? k : j;
+#pragma unroll
+  for (int u = 0; u < NT; ++u)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int v = v0 + kVecsPerTile * u + 2 * c + e;
+      if (v >= vs.count) continue;
+      const int h = v % vs.heads, row = i * p.query_len + v / vs.heads;
+      const int len_row = len - cuts.cut[u][e];
+      const int n_row = len_row > 0 ? (len_row + kPageTokens - 1) / kPageTokens : 0;
+      float out;
+      if (bad) out = __builtin_nanf("");
+      else if (j >= n_row) out = -__builtin_huge_valf();
+      else if (j >= n_row - p.local_blocks) out = kForcedLocal;
+      else if (j < p.init_blocks) out = kForcedInit;
+      else out = val[u][e];
+      for (int cp = 0; cp < p.dst_copies; ++cp)
+        p.dst[h * p.dst_copies + cp][(int64_t)row * p.out_row_stride + col] = out;
+    }
+}
+
+// CTAs per SM the register allocation must leave room for (CUDA): ptxas otherwise spends
+// registers where they buy nothing, and a step down in occupancy costs more than a little
+// scheduling freedom. The tile count per pass sets how much each warp must hold.
+#ifndef CP_NT4_CTAS  // measurement: CTAs per SM to fit four query tiles into (0: ptxas decides)
+#define CP_NT4_CTAS 0
+#endif
+template <int F, int NT>
+constexpr int kMinCtas = NT == 4 ? CP_NT4_CTAS : NT == 2 ? (F == kBF16 ? 0 : 4) : F == kFP8 ? 5 : 0;
+#if defined(CP_MIN_CTAS) && !defined(CP_HIP)  // measurement: one cap for every instance
 #define CP_BOUNDS __launch_bounds__(kThreads, CP_MIN_CTAS)
+#elif !defined(CP_HIP)
+#define CP_BOUNDS __launch_bounds__(kThreads, (kMinCtas<F, NT>))
 #else
 #define CP_BOUNDS __launch_bounds__(kThreads)
 #endif
@@ -713,6 +775,8 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   uint8_t* ring = ring_all[warp];
 #endif
   __shared__ uint4 lut[kFp4<F> ? 256 : 1];
+  __shared__ float stash_all[kWarpsPerCta][CP_GROUP_MAX][kVecsPerTile * NT];
+  float(&stash)[CP_GROUP_MAX][kVecsPerTile * NT] = stash_all[warp];
   __shared__ int cta_failed;
   __shared__ int is_last;
   uint64_t call = 0;
@@ -756,78 +820,112 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   if (!cta_failed) {
     const Vecs vs = {p.query_len * p.num_heads, p.num_heads, p.query_len};
     const int kw = p.width > p.rank ? (p.width - p.rank + p.world - 1) / p.world : 0;
-    const int64_t items = (int64_t)p.requests * kw;
-    const int64_t stride = (int64_t)gridDim.x * kWarpsPerCta;
-    const float ninf = -__builtin_huge_valf(), nan = __builtin_nanf("");
+    const int per_pass = kVecsPerTile * NT;
+    // Work comes in groups of consecutive blocks of one request: the warp loads the request's
+    // queries once per group and streams the group's pages back to back. Groups go round-robin
+    // over the warps, which keeps ragged batches balanced. The group size is the largest that
+    // keeps the busiest warp's page count at its minimum (a larger group must not leave the
+    // last round to a few warps). Several passes re-read each page from L2 right away, so they
+    // keep groups of one block.
+    const int64_t warps = (int64_t)gridDim.x * kWarpsPerCta;
+    int group = 1;
+    if (vs.count <= per_pass) {
+      int64_t best = -1;
+      for (int gs = 1; gs <= CP_GROUP_MAX; ++gs) {
+        const int64_t rounds = ((int64_t)p.requests * ((kw + gs - 1) / gs) + warps - 1) / warps;
+        if (best < 0 || rounds * gs <= best) best = rounds * gs, group = gs;
+      }
+    }
+    const int per_req = (kw + group - 1) / group;
+    const int64_t groups = (int64_t)p.requests * per_req;
     QueryFrag<NT> q;
     int cur_req = -1, cur_v0 = -1;
-    for (int64_t it = (int64_t)blockIdx.x * kWarpsPerCta + warp; it < items; it += stride) {
-      const int i = (int)(it / kw), k = (int)(it - (int64_t)i * kw);
-      const int j = p.rank + k * p.world;
+    for (int64_t gi = (int64_t)blockIdx.x * kWarpsPerCta + warp; gi < groups; gi += warps) {
+      const int i = (int)(gi / per_req), k0 = (int)(gi - (int64_t)i * per_req) * group;
+      const int count = kw - k0 < group ? kw - k0 : group;
       const int len = p.seq_lens[i];
       const int n = len > 0 ? (len + kPageTokens - 1) / kPageTokens : 0;  // the last row's blocks
-      if (k == 0 && lane == 0) {  // checked once per request
+      if (k0 == 0 && lane == 0) {  // checked once per request
         if (len < p.query_len) report(p, kErrLength, (uint32_t)i, call, (uint64_t)(int64_t)len);
         else if (n > p.width || n > p.bt_cols) report(p, kErrWidth, (uint32_t)i, call, (uint64_t)n);
       }
-      // The page is read when some row of the request scans block j (the last row sees most).
-      bool bad = len < p.query_len;
-      bool read = !bad && j >= p.init_blocks && j < n - p.local_blocks;
-      int64_t page = -1;
-      if (read) {
-        if (j < p.bt_cols) page = p.block_table[(int64_t)i * p.bt_row_stride + j];
-        if (page < 0 || page >= p.num_pages) {  // past max_blocks (reported above) or bad page
-          if (lane == 0) report(p, kErrBadPage, (uint32_t)i, call, (uint64_t)j);
-          read = false, bad = true;
+      // Lane l < count looks at item k0 + l: its page is read when some row of the request scans
+      // block j (the last row sees most).
+      const bool short_len = len < p.query_len;
+      bool read = false, bad = short_len;
+      int page = 0;
+      if (lane < count) {
+        const int j = p.rank + (k0 + lane) * p.world;
+        read = !short_len && j >= p.init_blocks && j < n - p.local_blocks;
+        if (read) {
+          const int64_t pg = j < p.bt_cols ? p.block_table[(int64_t)i * p.bt_row_stride + j] : -1;
+          if (pg < 0 || pg >= p.num_pages) {  // past max_blocks (reported above) or bad page
+            report(p, kErrBadPage, (uint32_t)i, call, (uint64_t)j);
+            read = false, bad = true;
+          } else {
+            page = (int)pg;
+          }
         }
       }
-      const int limit = len - j * kPageTokens;  // tokens of block j the last row sees
-      const bool full = limit - (p.query_len - 1) >= kPageTokens;
-      const int col = p.shard_columns ? k : j;
-      for (int v0 = 0; v0 < vs.count; v0 += kVecsPerTile * NT) {
+      int reads = 0, mine = 0;  // lane r holds the item of the group's r-th page read
+      for (int l = 0; l < count; ++l)
+        if (cp_shfl_int(read, l)) {
+          if (lane == reads) mine = l;
+          ++reads;
+        }
+      auto page_of = [&](int r) {
+        const int l = cp_shfl_int(mine, r), pg = cp_shfl_int(page, l);
+        const int limit = len - (p.rank + (k0 + l) * p.world) * kPageTokens;
+        return PageRef{p.kv + pg * p.kv_page_stride, kFp4<F> ? p.ks + pg * p.ks_page_stride : nullptr,
+                       limit, limit - (p.query_len - 1) >= kPageTokens};
+      };
+      for (int v0 = 0; v0 < vs.count; v0 += per_pass) {
         Cuts<NT> cuts;
 #pragma unroll
         for (int u = 0; u < NT; ++u)
 #pragma unroll
           for (int e = 0; e < 2; ++e)
             cuts.cut[u][e] = p.query_len - 1 - (v0 + kVecsPerTile * u + 2 * c + e) / vs.heads;
-        float val[NT][2];
-        if (read) {
+        if (reads > 0) {
           if (i != cur_req || v0 != cur_v0) {
             prepare_query<F, NT>(p, vs, i, v0, g, c, q, q_smem);
             cur_req = i, cur_v0 = v0;
           }
+          // Maxima wait in shared memory until the group is scored: writing them from inside
+          // the stream would keep every row's output address live across it.
+          auto done = [&](int r, const float (&val)[NT][2]) {
+            const int l = cp_shfl_int(mine, r);
+            if (g == 0)
+#pragma unroll
+              for (int u = 0; u < NT; ++u)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) stash[l][kVecsPerTile * u + 2 * c + e] = val[u][e];
+          };
 #if CP_SMEM_ON
-          if constexpr (kStages<F> > 0)
-            score_page_smem<F, NT>(p, p.kv + page * p.kv_page_stride, limit, full, cuts, q, g, c,
-                                   ring, val);
-          else
+          if constexpr (kStages<F> > 0) {
+            score_pages_smem<F, NT>(p, reads, page_of, cuts, q, g, c, ring, done);
+          } else
 #endif
-            score_page<F, NT>(p, p.kv + page * p.kv_page_stride,
-                              kFp4<F> ? p.ks + page * p.ks_page_stride : nullptr, limit, full,
-                              cuts, q, q_smem, lut, g, c, val);
+          {
+            for (int r = 0; r < reads; ++r) {
+              const PageRef pr = page_of(r);
+              float val[NT][2];
+              score_page<F, NT>(p, pr.kv, pr.ks, pr.limit, pr.full, cuts, q, q_smem, lut, g, c, val);
+              done(r, val);
+            }
+          }
+          cp_syncwarp();
         }
-        if (g == 0) {  // lanes 0..3 hold vectors (2c, 2c+1) of every n-tile
+        for (int l = 0; l < count; ++l) {  // every item of the group, read or not
+          const bool rd = cp_shfl_int(read, l), bd = cp_shfl_int(bad, l);
+          float val[NT][2];
 #pragma unroll
           for (int u = 0; u < NT; ++u)
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int v = v0 + kVecsPerTile * u + 2 * c + e;
-              if (v >= vs.count) continue;
-              const int h = v % vs.heads, row = i * p.query_len + v / vs.heads;
-              // this row's own causal length and blocks, and the contract's forcing order
-              const int len_row = len - cuts.cut[u][e];
-              const int n_row = len_row > 0 ? (len_row + kPageTokens - 1) / kPageTokens : 0;
-              float out;
-              if (bad) out = nan;
-              else if (j >= n_row) out = ninf;
-              else if (j >= n_row - p.local_blocks) out = kForcedLocal;
-              else if (j < p.init_blocks) out = kForcedInit;
-              else out = val[u][e];
-              for (int cp = 0; cp < p.dst_copies; ++cp)
-                p.dst[h * p.dst_copies + cp][(int64_t)row * p.out_row_stride + col] = out;
-            }
+            for (int e = 0; e < 2; ++e) val[u][e] = rd ? stash[l][kVecsPerTile * u + 2 * c + e] : 0.f;
+          write_scores<NT>(p, vs, i, p.rank + (k0 + l) * p.world, k0 + l, len, v0, cuts, bd, val, g, c);
         }
+        cp_syncwarp();  // the stash is refilled by the next pass or group
       }
     }
   }
