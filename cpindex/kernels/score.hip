@@ -749,7 +749,7 @@ template <int F, int NT>
 constexpr int kMinCtas = NT == 4 ? CP_NT4_CTAS : NT == 2 ? (F == kBF16 ? 0 : 4) : F == kFP8 ? 5 : 0;
 #if defined(CP_MIN_CTAS) && !defined(CP_HIP)  // measurement: one cap for every instance
 #define CP_BOUNDS __launch_bounds__(kThreads, CP_MIN_CTAS)
-#elif !defined(CP_HIP)
+#elif CP_USE_MMA  // the tensor-core instances; the portable path keeps ptxas's choice
 #define CP_BOUNDS __launch_bounds__(kThreads, (kMinCtas<F, NT>))
 #else
 #define CP_BOUNDS __launch_bounds__(kThreads)
