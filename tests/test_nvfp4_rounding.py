@@ -241,3 +241,25 @@ def test_rounding_matters_on_random_keys() -> None:
     exact = F.e2m1_decode(codes) * s.view(torch.float8_e4m3fn).float().repeat_interleave(16, -1)
     changed = (F.dequantize(cache, "nvfp4") != exact).float().mean().item()
     assert 0.05 < changed < 0.5
+
+
+def test_kernel_tables_match_the_oracle() -> None:
+    """The GPU kernel decodes nvfp4 through two per-scale tables (f16 bytes and e4m3 bytes of
+    every magnitude) and applies a code's sign by flipping the sign bit: every entry, and every
+    entry with the sign applied, equals the bit-level oracle."""
+    from cpindex.kernels.launcher import nvfp4_lut
+
+    lut = nvfp4_lut()
+    assert lut.dtype == torch.uint8 and lut.shape == (6144,)
+    f16 = lut[:4096].view(256, 16).to(torch.int32)
+    f16_bits = ((f16[:, :8] << 8) | f16[:, 8:]).to(torch.int16)
+    e4m3_bits = lut[4096:].view(256, 8)
+    for b in FINITE_SCALE_BYTES:
+        for code in range(16):
+            sign = code >> 3
+            h = f16_bits[b, code & 7] ^ (-0x8000 if sign else 0)
+            e = e4m3_bits[b, code & 7] ^ (0x80 if sign else 0)
+            got_h = torch.tensor([h], dtype=torch.int16).view(torch.float16).float()
+            got_e = torch.tensor([e], dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+            assert_same_bits(got_h, [product_oracle(code, b)])
+            assert_same_bits(got_e, [product_oracle(code, b)])

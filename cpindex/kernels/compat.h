@@ -268,6 +268,29 @@ CP_DEVICE void cp_e2m1x8_lut_f16x2x4(uint32_t w, uint2 hi, uint2 lo, uint32_t (&
   out[3] = __byte_perm(l47, h47, 0x7362u);  // elements 6, 7
 }
 
+#if CP_NATIVE_FP8
+// The same eight values through the other table and the conversion unit: e8 holds the e4m3
+// bytes of the 8 magnitudes (bytes 0..7); one permute per four values looks them up, the
+// gathered sign bits are XORed into each byte's bit 7, and cvt.rn.f16x2.e4m3x2 widens pairs.
+// 7 integer ops and 4 conversions against 15 integer ops: the kernel sends some of a token's
+// words this way so that the integer pipe and the conversion unit share the work.
+CP_DEVICE void cp_e2m1x8_lut_e4m3_f16x2x4(uint32_t w, uint2 e8, uint32_t (&out)[4]) {
+  const uint32_t mag = w & 0x77777777u, mag_hi = mag >> 16;
+  const uint32_t shifted = w << 4;
+  const uint32_t e03 = __byte_perm(e8.x, e8.y, mag) ^ (__byte_perm(shifted, w, 0x5140u) & 0x80808080u);
+  const uint32_t e47 = __byte_perm(e8.x, e8.y, mag_hi) ^ (__byte_perm(shifted, w, 0x7362u) & 0x80808080u);
+  asm("{.reg .b16 a, b, c, d;\n\t"
+      "mov.b32 {a, b}, %4;\n\t"
+      "mov.b32 {c, d}, %5;\n\t"
+      "cvt.rn.f16x2.e4m3x2 %0, a;\n\t"
+      "cvt.rn.f16x2.e4m3x2 %1, b;\n\t"
+      "cvt.rn.f16x2.e4m3x2 %2, c;\n\t"
+      "cvt.rn.f16x2.e4m3x2 %3, d;}"
+      : "=r"(out[0]), "=r"(out[1]), "=r"(out[2]), "=r"(out[3])
+      : "r"(e03), "r"(e47));
+}
+#endif
+
 // 8 bytes, read once, no reuse (nvfp4 tokens whose stride is not a multiple of 16, e.g. vLLM's
 // 72-byte layout, are only 8-byte aligned).
 CP_DEVICE uint2 cp_load_stream8(const void* p) {

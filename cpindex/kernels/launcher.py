@@ -21,17 +21,19 @@ PHASES = {structs.ERR_TIMEOUT_QUERIES: "queries", structs.ERR_TIMEOUT_SCORES: "s
 
 
 def nvfp4_lut() -> torch.Tensor:
-    """The nvfp4 key-value table the kernel decodes with: uint8 ``[256, 16]``. For scale byte
-    ``s`` and e2m1 magnitude code ``c``, ``v = e4m3_rn_satfinite(e2m1(c) * e4m3(s))`` as f16:
-    byte ``c`` of the entry is the high byte of its f16 bits, byte ``8 + c`` the low byte (the
-    kernel applies the code's sign). Built from :func:`cpindex.formats.e4m3_rn_satfinite`, the
-    function the reference dequantizes with, so the kernel's key values are the reference's bit
-    for bit. (Every e4m3 value is exact in f16.)"""
+    """The nvfp4 key-value tables the kernel decodes with, uint8 ``[6144]``. For scale byte
+    ``s`` and e2m1 magnitude code ``c``, ``v = e4m3_rn_satfinite(e2m1(c) * e4m3(s))``. Bytes
+    ``16 s + c`` and ``16 s + 8 + c``: the high and low byte of v's f16 bits; byte ``4096 + 8 s +
+    c``: v's e4m3 byte (the kernel applies the code's sign to either). Built from
+    :func:`cpindex.formats.e4m3_rn_satfinite`, the function the reference dequantizes with, so
+    the kernel's key values are the reference's bit for bit. (Every e4m3 value is exact in f16.)"""
     scales = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     grid = formats.e2m1_decode(torch.arange(8, dtype=torch.uint8))
     vals = formats.e4m3_rn_satfinite(scales[:, None] * grid[None, :])
     bits = vals.to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
-    return torch.cat([bits >> 8, bits & 0xFF], dim=1).to(torch.uint8).contiguous()
+    f16 = torch.cat([bits >> 8, bits & 0xFF], dim=1).to(torch.uint8)
+    e4m3 = vals.to(torch.float8_e4m3fn).view(torch.uint8)
+    return torch.cat([f16.reshape(-1), e4m3.reshape(-1)]).contiguous()
 
 
 def cache_parts(index_cache: formats.Cache) -> tuple[torch.Tensor, torch.Tensor | None]:

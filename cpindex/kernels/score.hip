@@ -30,6 +30,9 @@
 #ifndef CP_NVFP4_BATCH  // nvfp4 tiles loaded before their math, for one query tile
 #define CP_NVFP4_BATCH 8
 #endif
+#ifndef CP_NVFP4_CVT  // nvfp4: words of a lane's 4 per token widened by the conversion unit (0-4)
+#define CP_NVFP4_CVT 2
+#endif
 #ifndef CP_GROUP_MAX  // consecutive blocks of one request a warp takes as one group (1: one each)
 #define CP_GROUP_MAX 8
 #endif
@@ -159,11 +162,18 @@ CP_DEVICE void load_tile(const ScoreParams& p, TileRegs<F>& t, const uint8_t* pa
 
 CP_DEVICE uint32_t word(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 
+// nvfp4 words per token and lane that go through the e4m3 table and the conversion unit (the
+// rest through the f16 byte table and the integer pipe); conversions need sm_89+.
+constexpr int kNvfp4Cvt = CP_NATIVE_FP8 ? CP_NVFP4_CVT : 0;
+static_assert(kNvfp4Cvt >= 0 && kNvfp4Cvt <= 4, "CP_NVFP4_CVT must be 0..4");
+
 // Token s of a loaded tile as 16 packed pairs (bf16x2 for bf16, f16x2 otherwise). For nvfp4,
-// lut is the CTA's table: entry s holds the f16 high and low bytes of the 8 magnitudes of scale
-// byte s (cpindex.kernels.launcher.nvfp4_lut).
+// lut and lut8 are the CTA's tables: entry s of lut holds the f16 high and low bytes of the 8
+// magnitudes of scale byte s, entry s of lut8 their e4m3 bytes
+// (cpindex.kernels.launcher.nvfp4_lut).
 template <int F>
-CP_DEVICE void unpack(const TileRegs<F>& t, int s, const uint4* lut, uint32_t (&k)[16]) {
+CP_DEVICE void unpack(const TileRegs<F>& t, int s, const uint4* lut, const uint2* lut8,
+                       uint32_t (&k)[16]) {
   if constexpr (F == kBF16) {
 #pragma unroll
     for (int l = 0; l < 4; ++l)
@@ -179,13 +189,20 @@ CP_DEVICE void unpack(const TileRegs<F>& t, int s, const uint4* lut, uint32_t (&
         k[8 * l + 2 * i + 1] = cp_e4m3x2_to_f16x2(w >> 16);
       }
   } else {
-    const uint4 tab[2] = {lut[t.scales[s] & 0xffu], lut[t.scales[s] >> 8]};
+    const uint32_t s0 = t.scales[s] & 0xffu, s1 = t.scales[s] >> 8;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const uint4& e = tab[i >> 1];
+      const uint32_t sc = i < 2 ? s0 : s1;  // words 0-1 share a scale, words 2-3 the other
       uint32_t pairs[4];
-      cp_e2m1x8_lut_f16x2x4(word(t.raw[s][0], i), make_uint2(e.x, e.y), make_uint2(e.z, e.w),
-                            pairs);
+      if (i >= 4 - kNvfp4Cvt) {
+#if CP_NATIVE_FP8
+        cp_e2m1x8_lut_e4m3_f16x2x4(word(t.raw[s][0], i), lut8[sc], pairs);
+#endif
+      } else {
+        const uint4 e = lut[sc];
+        cp_e2m1x8_lut_f16x2x4(word(t.raw[s][0], i), make_uint2(e.x, e.y), make_uint2(e.z, e.w),
+                              pairs);
+      }
 #pragma unroll
       for (int b = 0; b < 4; ++b) k[4 * i + b] = pairs[b];
     }
@@ -442,7 +459,7 @@ CP_DEVICE void init_max(float (&m)[NT][4]) {
 template <int F, int NT>
 CP_DEVICE void score_page(const ScoreParams& p, const uint8_t* page, const uint8_t* scale_page,
                           int limit, bool full, const Cuts<NT>& cuts, const QueryFrag<NT>& q,
-                          const float* q_smem, const uint4* lut, int g, int c,
+                          const float* q_smem, const uint4* lut, const uint2* lut8, int g, int c,
                           float (&val)[NT][2]) {
   // The scalar dot keeps 16 partial sums live: no room to batch loads there. More query tiles
   // hold more registers, so fewer tiles are loaded ahead.
@@ -462,8 +479,8 @@ CP_DEVICE void score_page(const ScoreParams& p, const uint8_t* page, const uint8
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       uint32_t k0[16], k1[16];
-      unpack<F>(regs[b], 0, lut, k0);
-      unpack<F>(regs[b], 1, lut, k1);
+      unpack<F>(regs[b], 0, lut, lut8, k0);
+      unpack<F>(regs[b], 1, lut, lut8, k1);
       float acc[NT][4];
       tile_dot<F, NT>(k0, k1, q, q_smem, c, acc);
       keep_max<NT>(m, acc, (t0 + b) * kTileTokens + g, limit, full, cuts);
@@ -746,7 +763,7 @@ CP_DEVICE void write_scores(const ScoreParams& p, const Vecs& vs, int i, int j, 
 #define CP_NT4_CTAS 0
 #endif
 template <int F, int NT>
-constexpr int kMinCtas = NT == 4 ? CP_NT4_CTAS : NT == 2 ? (F == kBF16 ? 0 : 4) : F == kFP8 ? 5 : 0;
+constexpr int kMinCtas = NT == 4 ? CP_NT4_CTAS : NT == 2 ? (F == kBF16 ? 0 : 4) : F == kFP8 ? 5 : kFp4<F> ? 4 : 0;
 #if defined(CP_MIN_CTAS) && !defined(CP_HIP)  // measurement: one cap for every instance
 #define CP_BOUNDS __launch_bounds__(kThreads, CP_MIN_CTAS)
 #elif CP_USE_MMA  // the tensor-core instances; the portable path keeps ptxas's choice
@@ -775,6 +792,7 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   uint8_t* ring = ring_all[warp];
 #endif
   __shared__ uint4 lut[kFp4<F> ? 256 : 1];
+  __shared__ uint2 lut8[kFp4<F> && kNvfp4Cvt > 0 ? 256 : 1];
   __shared__ float stash_all[kWarpsPerCta][CP_GROUP_MAX][kVecsPerTile * NT];
   float(&stash)[CP_GROUP_MAX][kVecsPerTile * NT] = stash_all[warp];
   __shared__ int cta_failed;
@@ -782,8 +800,11 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   uint64_t call = 0;
 
   if (failed(p)) return;  // an earlier call failed: the host raises; don't stall every replay
-  if constexpr (kFp4<F>) {  // 4 KiB
-    for (int i = threadIdx.x; i < 256; i += kThreads) lut[i] = reinterpret_cast<const uint4*>(p.fp4_lut)[i];
+  if constexpr (kFp4<F>) {  // 4 KiB of f16 bytes, then 2 KiB of e4m3 bytes
+    for (int i = threadIdx.x; i < 256; i += kThreads) {
+      lut[i] = reinterpret_cast<const uint4*>(p.fp4_lut)[i];
+      if constexpr (kNvfp4Cvt > 0) lut8[i] = reinterpret_cast<const uint2*>(p.fp4_lut + 4096)[i];
+    }
   }
   if (threadIdx.x == 0) cta_failed = 0;
   __syncthreads();
@@ -910,7 +931,8 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
             for (int r = 0; r < reads; ++r) {
               const PageRef pr = page_of(r);
               float val[NT][2];
-              score_page<F, NT>(p, pr.kv, pr.ks, pr.limit, pr.full, cuts, q, q_smem, lut, g, c, val);
+              score_page<F, NT>(p, pr.kv, pr.ks, pr.limit, pr.full, cuts, q, q_smem, lut, lut8, g,
+                              c, val);
               done(r, val);
             }
           }
