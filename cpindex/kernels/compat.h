@@ -170,6 +170,8 @@ CP_DEVICE uint32_t cp_load_relaxed_sys(const uint32_t* p) {
 }
 
 CP_DEVICE void cp_fence_sys() { __threadfence_system(); }
+// Orders this GPU's own memory only (cheaper: no wait for peer or host visibility).
+CP_DEVICE void cp_fence_gpu() { __threadfence(); }
 
 // Nanosecond-ish wall clock for timeouts. CUDA: %globaltimer (ns). AMD: the constant-rate
 // realtime counter (100 MHz on gfx942/gfx950); the host converts the timeout into these ticks.

@@ -701,7 +701,8 @@ CP_DEVICE void merge_candidates(const ScoreParams& p) {
   }
 }
 
-// Every CTA of this rank's grid (all resident: push grids are sized so) has arrived. Bounded
+// Every CTA of this rank's grid (all resident: push grids are sized so) has arrived (the
+// barrier word and what it orders are this GPU's memory, so device-scope fences do). Bounded
 // like the peer waits; false when this call's handshake already failed or the wait ran out.
 CP_DEVICE bool grid_barrier(const ScoreParams& p, const PushState& ps, uint64_t call) {
   __shared__ int ok;
@@ -721,7 +722,7 @@ CP_DEVICE bool grid_barrier(const ScoreParams& p, const PushState& ps, uint64_t 
         cp_backoff();
       }
     }
-    cp_fence_sys();
+    cp_fence_gpu();
   }
   __syncthreads();
   return ok != 0;
@@ -955,7 +956,7 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   if (!push) return;
   const bool select = p.topk > 0;
   if (select) {  // every CTA's shard columns are written before any CTA selects from them
-    cp_fence_sys();
+    cp_fence_gpu();  // the shard is this GPU's memory: device scope orders it
     if (!grid_barrier(p, ps, call)) cta_failed = 1;
     if (!cta_failed) select_local(p);
   }
