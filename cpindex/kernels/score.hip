@@ -773,6 +773,12 @@ constexpr int kMinCtas = NT == 4 ? CP_NT4_CTAS : NT == 2 ? (F == kBF16 ? 0 : 4) 
 #define CP_BOUNDS __launch_bounds__(kThreads)
 #endif
 
+// The largest group of consecutive blocks a warp takes. The ring formats gain from groups only
+// with four query tiles (two CTAs per SM, where a page's start and the query loads are not hidden
+// by other warps); with fewer tiles single blocks measured faster (docs/BENCHMARKS.md).
+template <int F, int NT>
+constexpr int kGroupMax = Fmt<F>::kRing && NT < 4 ? 1 : CP_GROUP_MAX;
+
 // ---- the kernel ---------------------------------------------------------------------------------
 // NT: query n-tiles per pass (tensor cores; 1 on the portable path). A request with more than
 // 8 * NT vectors takes several passes over a page; the later passes find it in L2.
@@ -853,7 +859,7 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
     int group = 1;
     if (vs.count <= per_pass) {
       int64_t best = -1;
-      for (int gs = 1; gs <= CP_GROUP_MAX; ++gs) {
+      for (int gs = 1; gs <= kGroupMax<F, NT>; ++gs) {
         const int64_t rounds = ((int64_t)p.requests * ((kw + gs - 1) / gs) + warps - 1) / warps;
         if (best < 0 || rounds * gs <= best) best = rounds * gs, group = gs;
       }
