@@ -31,7 +31,7 @@
 #define CP_NVFP4_BATCH 8
 #endif
 #ifndef CP_NVFP4_CVT  // nvfp4: words of a lane's 4 per token widened by the conversion unit (0-4)
-#define CP_NVFP4_CVT 2
+#define CP_NVFP4_CVT 0
 #endif
 #ifndef CP_GROUP_MAX  // consecutive blocks of one request a warp takes as one group (1: one each)
 #define CP_GROUP_MAX 8
