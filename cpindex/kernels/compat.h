@@ -250,6 +250,19 @@ CP_DEVICE uint32_t cp_e4m3x2_to_f16x2(uint32_t two_bytes) {
 }
 #endif
 
+// The byte-table lookups of eight e2m1 nibbles (element 0 in the low nibble): the 4-byte
+// selectors of elements 0-3 and 4-7 (magnitude codes, bit 3 clear) and, for the same bytes, the
+// nibbles' sign bits at each byte's bit 7.
+struct E2m1x8Sel {
+  uint32_t mag03, mag47, sign03, sign47;
+};
+CP_DEVICE E2m1x8Sel cp_e2m1x8_select(uint32_t w) {
+  const uint32_t mag = w & 0x77777777u;
+  const uint32_t shifted = w << 4;  // even elements' sign bits at each byte's bit 7
+  return {mag, mag >> 16, __byte_perm(shifted, w, 0x5140u) & 0x80808080u,
+          __byte_perm(shifted, w, 0x7362u) & 0x80808080u};
+}
+
 // Eight e2m1 nibbles (one word, element 0 in the low nibble) -> four f16x2 words holding
 // elements (0,1), (2,3), (4,5), (6,7), through a per-scale table: hi and lo hold, for the 8 e2m1
 // magnitudes m (bytes 0..7), the high and low byte of the f16 bits of
@@ -259,11 +272,10 @@ CP_DEVICE uint32_t cp_e4m3x2_to_f16x2(uint32_t two_bytes) {
 // interleave low and high bytes into f16 pairs. 15 integer ops, no conversion instruction.
 // Selector nibbles keep bit 3 clear: PTX prmt would read it as "replicate the sign", HIP not.
 CP_DEVICE void cp_e2m1x8_lut_f16x2x4(uint32_t w, uint2 hi, uint2 lo, uint32_t (&out)[4]) {
-  const uint32_t mag = w & 0x77777777u, mag_hi = mag >> 16;
-  const uint32_t shifted = w << 4;  // even elements' sign bits at each byte's bit 7
-  const uint32_t h03 = __byte_perm(hi.x, hi.y, mag) ^ (__byte_perm(shifted, w, 0x5140u) & 0x80808080u);
-  const uint32_t h47 = __byte_perm(hi.x, hi.y, mag_hi) ^ (__byte_perm(shifted, w, 0x7362u) & 0x80808080u);
-  const uint32_t l03 = __byte_perm(lo.x, lo.y, mag), l47 = __byte_perm(lo.x, lo.y, mag_hi);
+  const E2m1x8Sel x = cp_e2m1x8_select(w);
+  const uint32_t h03 = __byte_perm(hi.x, hi.y, x.mag03) ^ x.sign03;
+  const uint32_t h47 = __byte_perm(hi.x, hi.y, x.mag47) ^ x.sign47;
+  const uint32_t l03 = __byte_perm(lo.x, lo.y, x.mag03), l47 = __byte_perm(lo.x, lo.y, x.mag47);
   out[0] = __byte_perm(l03, h03, 0x5140u);  // lo0, hi0, lo1, hi1: elements 0, 1
   out[1] = __byte_perm(l03, h03, 0x7362u);  // elements 2, 3
   out[2] = __byte_perm(l47, h47, 0x5140u);  // elements 4, 5
@@ -277,10 +289,9 @@ CP_DEVICE void cp_e2m1x8_lut_f16x2x4(uint32_t w, uint2 hi, uint2 lo, uint32_t (&
 // 7 integer ops and 4 conversions against 15 integer ops: the kernel sends some of a token's
 // words this way so that the integer pipe and the conversion unit share the work.
 CP_DEVICE void cp_e2m1x8_lut_e4m3_f16x2x4(uint32_t w, uint2 e8, uint32_t (&out)[4]) {
-  const uint32_t mag = w & 0x77777777u, mag_hi = mag >> 16;
-  const uint32_t shifted = w << 4;
-  const uint32_t e03 = __byte_perm(e8.x, e8.y, mag) ^ (__byte_perm(shifted, w, 0x5140u) & 0x80808080u);
-  const uint32_t e47 = __byte_perm(e8.x, e8.y, mag_hi) ^ (__byte_perm(shifted, w, 0x7362u) & 0x80808080u);
+  const E2m1x8Sel x = cp_e2m1x8_select(w);
+  const uint32_t e03 = __byte_perm(e8.x, e8.y, x.mag03) ^ x.sign03;
+  const uint32_t e47 = __byte_perm(e8.x, e8.y, x.mag47) ^ x.sign47;
   asm("{.reg .b16 a, b, c, d;\n\t"
       "mov.b32 {a, b}, %4;\n\t"
       "mov.b32 {c, d}, %5;\n\t"

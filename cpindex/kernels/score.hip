@@ -760,11 +760,9 @@ CP_DEVICE void write_scores(const ScoreParams& p, const Vecs& vs, int i, int j, 
 // CTAs per SM the register allocation must leave room for (CUDA): ptxas otherwise spends
 // registers where they buy nothing, and a step down in occupancy costs more than a little
 // scheduling freedom. The tile count per pass sets how much each warp must hold.
-#ifndef CP_NT4_CTAS  // measurement: CTAs per SM to fit four query tiles into (0: ptxas decides)
-#define CP_NT4_CTAS 0
-#endif
+// 0 leaves ptxas its own choice (four query tiles need 255 registers anyway).
 template <int F, int NT>
-constexpr int kMinCtas = NT == 4 ? CP_NT4_CTAS : NT == 2 ? (F == kBF16 ? 0 : 4) : F == kFP8 ? 5 : kFp4<F> ? 4 : 0;
+constexpr int kMinCtas = NT == 4 ? 0 : NT == 2 ? (F == kBF16 ? 0 : 4) : F == kFP8 ? 5 : 4;
 #if defined(CP_MIN_CTAS) && !defined(CP_HIP)  // measurement: one cap for every instance
 #define CP_BOUNDS __launch_bounds__(kThreads, CP_MIN_CTAS)
 #elif CP_USE_MMA  // the tensor-core instances; the portable path keeps ptxas's choice
