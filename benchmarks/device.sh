@@ -131,15 +131,17 @@ cmd_probe() {
 
 cmd_profile() {
   [ $# -ge 3 ] || { echo "usage: device.sh profile FMT REQUESTS CONTEXT [QUERY_LEN]" >&2; return 2; }
-  local name="ncu-$(IFS=-; echo "$*").txt"
+  local name="ncu-$(IFS=-; echo "$*")${CPINDEX_KERNEL_DEFINES:+-${CPINDEX_KERNEL_DEFINES// /-}}.txt"
   bounded 150 ncu --clock-control none -k regex:score_kernel --launch-skip 3 --launch-count 1 \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     --section SchedulerStats --section MemoryWorkloadAnalysis --section InstructionStats \
-    --metrics "regex:^(smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio|l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld\.sum|smsp__inst_executed\.sum)$" \
+    --section ComputeWorkloadAnalysis \
+    --metrics "regex:^(smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio|l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld\.sum|smsp__inst_executed\.sum|sm__inst_executed_pipe_[a-z0-9_]+\.avg\.pct_of_peak_sustained_active)$" \
     python3 benchmarks/profile_kernel.py "$@" > "$OUT/$name" 2>&1
   grep -E "DRAM Throughput|Duration|Achieved Occupancy|Registers Per|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|inst_executed.sum|bank_conflicts" \
     "$OUT/$name"
   grep -E "issue_stalled" "$OUT/$name" | sort -k3 -g -r | head -8
+  grep -E "inst_executed_pipe" "$OUT/$name" | sort -k3 -g -r | head -8
 }
 
 [ $# -ge 1 ] || { sed -n '2,21p' "$0"; exit 2; }

@@ -92,10 +92,15 @@ def test_nvfp4_layouts_score_the_same():
     strided slices of vLLM's cache: the same scores, bit for bit."""
     prob = testing.make_problem(6, 3000, "nvfp4", query_len=2, seed=7, device="cuda")
     v72 = formats.to_vllm_layout(prob.index_cache)
+    packed, scales = formats.to_nvfp4_pair(prob.index_cache)
+    # scale tokens only 2-byte aligned (a token stride of 10 bytes)
+    odd = torch.zeros(*scales.shape[:2], 10, dtype=torch.uint8, device=scales.device)
+    odd[:, :, :8] = scales.view(torch.uint8)
     caches = [
-        formats.to_nvfp4_pair(prob.index_cache),
+        (packed, scales),
         v72,
         (v72[:, :, :64], v72[:, :, 64:]),
+        (packed, odd[:, :, :8].view(scales.dtype)),
     ]
     args = (prob.block_table, prob.seq_lens)
     a = ops.block_scores(prob.q, prob.index_cache, *args, query_len=2)

@@ -36,6 +36,9 @@
 #ifndef CP_GROUP_MAX  // consecutive blocks of one request a warp takes as one group (1: one each)
 #define CP_GROUP_MAX 8
 #endif
+#ifndef CP_NT4_CTAS  // CTAs per SM the four-tile instances' registers leave room for (0: ptxas's)
+#define CP_NT4_CTAS 0
+#endif
 #ifndef CP_MAX_QUERY_TILES  // query n-tiles (8 vectors each) per pass over a page: 1, 2 or 4
 #define CP_MAX_QUERY_TILES 4
 #endif
@@ -760,9 +763,10 @@ CP_DEVICE void write_scores(const ScoreParams& p, const Vecs& vs, int i, int j, 
 // CTAs per SM the register allocation must leave room for (CUDA): ptxas otherwise spends
 // registers where they buy nothing, and a step down in occupancy costs more than a little
 // scheduling freedom. The tile count per pass sets how much each warp must hold.
-// 0 leaves ptxas its own choice (four query tiles need 255 registers anyway).
+// 0 leaves ptxas its own choice for four query tiles (255 registers, 2 CTAs): a 3-CTA target
+// (CP_NT4_CTAS=3) spills a little and trades small batches for large ones (docs/BENCHMARKS.md).
 template <int F, int NT>
-constexpr int kMinCtas = NT == 4 ? 0 : NT == 2 ? (F == kBF16 ? 0 : 4) : F == kFP8 ? 5 : 4;
+constexpr int kMinCtas = NT == 4 ? CP_NT4_CTAS : NT == 2 ? (F == kBF16 ? 0 : 4) : F == kFP8 ? 5 : 4;
 #if defined(CP_MIN_CTAS) && !defined(CP_HIP)  // measurement: one cap for every instance
 #define CP_BOUNDS __launch_bounds__(kThreads, CP_MIN_CTAS)
 #elif CP_USE_MMA  // the tensor-core instances; the portable path keeps ptxas's choice
