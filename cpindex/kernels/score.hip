@@ -30,8 +30,11 @@
 #ifndef CP_NVFP4_BATCH  // nvfp4 tiles loaded before their math, for one query tile
 #define CP_NVFP4_BATCH 8
 #endif
-#ifndef CP_NVFP4_CVT  // nvfp4: words of a lane's 4 per token widened by the conversion unit (0-4)
-#define CP_NVFP4_CVT 0
+#ifndef CP_NVFP4_CVT  // nvfp4, 1 or 2 query tiles: words of a lane's 4 per token widened by cvt (0-4)
+#define CP_NVFP4_CVT 2
+#endif
+#ifndef CP_NVFP4_CVT4  // the same for four query tiles
+#define CP_NVFP4_CVT4 0
 #endif
 #ifndef CP_GROUP_MAX  // consecutive blocks of one request a warp takes as one group (1: one each)
 #define CP_GROUP_MAX 8
@@ -166,15 +169,19 @@ CP_DEVICE void load_tile(const ScoreParams& p, TileRegs<F>& t, const uint8_t* pa
 CP_DEVICE uint32_t word(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 
 // nvfp4 words per token and lane that go through the e4m3 table and the conversion unit (the
-// rest through the f16 byte table and the integer pipe); conversions need sm_89+.
-constexpr int kNvfp4Cvt = CP_NATIVE_FP8 ? CP_NVFP4_CVT : 0;
-static_assert(kNvfp4Cvt >= 0 && kNvfp4Cvt <= 4, "CP_NVFP4_CVT must be 0..4");
+// rest through the f16 byte table and the integer pipe); conversions need sm_89+. Two of four
+// measured fastest with one or two query tiles; four tiles (more mma work per word) keep the
+// integer pipe only (docs/BENCHMARKS.md).
+template <int NT>
+constexpr int kNvfp4Cvt = CP_NATIVE_FP8 ? (NT == 4 ? CP_NVFP4_CVT4 : CP_NVFP4_CVT) : 0;
+static_assert(CP_NVFP4_CVT >= 0 && CP_NVFP4_CVT <= 4 && CP_NVFP4_CVT4 >= 0 && CP_NVFP4_CVT4 <= 4,
+              "CP_NVFP4_CVT and CP_NVFP4_CVT4 must be 0..4");
 
 // Token s of a loaded tile as 16 packed pairs (bf16x2 for bf16, f16x2 otherwise). For nvfp4,
 // lut and lut8 are the CTA's tables: entry s of lut holds the f16 high and low bytes of the 8
 // magnitudes of scale byte s, entry s of lut8 their e4m3 bytes
-// (cpindex.kernels.launcher.nvfp4_lut).
-template <int F>
+// (cpindex.kernels.launcher.nvfp4_lut). kCvt: nvfp4 words through lut8 (kNvfp4Cvt).
+template <int F, int kCvt>
 CP_DEVICE void unpack(const TileRegs<F>& t, int s, const uint4* lut, const uint2* lut8,
                        uint32_t (&k)[16]) {
   if constexpr (F == kBF16) {
@@ -197,7 +204,7 @@ CP_DEVICE void unpack(const TileRegs<F>& t, int s, const uint4* lut, const uint2
     for (int i = 0; i < 4; ++i) {
       const uint32_t sc = i < 2 ? s0 : s1;  // words 0-1 share a scale, words 2-3 the other
       uint32_t pairs[4];
-      if (i >= 4 - kNvfp4Cvt) {
+      if (i >= 4 - kCvt) {
 #if CP_NATIVE_FP8
         cp_e2m1x8_lut_e4m3_f16x2x4(word(t.raw[s][0], i), lut8[sc], pairs);
 #endif
@@ -482,8 +489,8 @@ CP_DEVICE void score_page(const ScoreParams& p, const uint8_t* page, const uint8
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       uint32_t k0[16], k1[16];
-      unpack<F>(regs[b], 0, lut, lut8, k0);
-      unpack<F>(regs[b], 1, lut, lut8, k1);
+      unpack<F, kNvfp4Cvt<NT>>(regs[b], 0, lut, lut8, k0);
+      unpack<F, kNvfp4Cvt<NT>>(regs[b], 1, lut, lut8, k1);
       float acc[NT][4];
       tile_dot<F, NT>(k0, k1, q, q_smem, c, acc);
       keep_max<NT>(m, acc, (t0 + b) * kTileTokens + g, limit, full, cuts);
@@ -801,7 +808,7 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   uint8_t* ring = ring_all[warp];
 #endif
   __shared__ uint4 lut[kFp4<F> ? 256 : 1];
-  __shared__ uint2 lut8[kFp4<F> && kNvfp4Cvt > 0 ? 256 : 1];
+  __shared__ uint2 lut8[kFp4<F> && kNvfp4Cvt<NT> > 0 ? 256 : 1];
   __shared__ float stash_all[kWarpsPerCta][CP_GROUP_MAX][kVecsPerTile * NT];
   float(&stash)[CP_GROUP_MAX][kVecsPerTile * NT] = stash_all[warp];
   __shared__ int cta_failed;
@@ -812,7 +819,7 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   if constexpr (kFp4<F>) {  // 4 KiB of f16 bytes, then 2 KiB of e4m3 bytes
     for (int i = threadIdx.x; i < 256; i += kThreads) {
       lut[i] = reinterpret_cast<const uint4*>(p.fp4_lut)[i];
-      if constexpr (kNvfp4Cvt > 0) lut8[i] = reinterpret_cast<const uint2*>(p.fp4_lut + 4096)[i];
+      if constexpr (kNvfp4Cvt<NT> > 0) lut8[i] = reinterpret_cast<const uint2*>(p.fp4_lut + 4096)[i];
     }
   }
   if (threadIdx.x == 0) cta_failed = 0;
