@@ -38,7 +38,10 @@ setup() {
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   fi
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-  echo "date: $(date -u '+%Y-%m-%d %H:%M UTC'); commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  # The device may hold an older .git than the tree it was sent: the kernel sources' hash
+  # identifies the code (compare: cat cpindex/kernels/*.hip cpindex/kernels/*.h | sha256sum).
+  echo "date: $(date -u '+%Y-%m-%d %H:%M UTC'); commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown);" \
+    "kernel sources: $(cat cpindex/kernels/*.hip cpindex/kernels/*.h | sha256sum | cut -c1-12)"
   if command -v nvidia-smi > /dev/null; then
     nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
   elif command -v rocm-smi > /dev/null; then
