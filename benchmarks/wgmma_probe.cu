@@ -1,8 +1,9 @@
 // wgmma_probe.cu: checks, on an sm_90 GPU, the operand layouts a native e4m3 path of the scoring
 // kernel would rely on (docs/kernel.md, "What would get there"): one warpgroup issues
-// wgmma.mma_async.m64n8k32.f32.e4m3.e4m3 with A (64 keys x 32 dims) from registers and B (8 query
-// vectors x 32 dims, K-major, no swizzle) from shared memory, over the 4 k-steps of a 128-dim
-// head, and the result is compared with a host dot product of the same e4m3 values.
+// wgmma.mma_async.m64n32k32.f32.e4m3.e4m3 with A (64 keys x 32 dims) from registers and B (32
+// query vectors x 32 dims, K-major, no swizzle: T = 8 rows of 4 heads) from shared memory, over
+// the 4 k-steps of a 128-dim head, and the result is compared with a host dot product of the
+// same e4m3 values.
 //
 //   bash benchmarks/device.sh wgmma-probe
 //   (= nvcc -O2 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/wgmma_probe \
@@ -17,9 +18,10 @@
 // Layouts under test (lane = 4g + c of warp w; token = row, dim = k):
 //   A: a0 = row 16w+g, dims 4c..4c+3 of the k-step; a1 = row 16w+g+8, same dims;
 //      a2 = row 16w+g, dims 16+4c..; a3 = row 16w+g+8, dims 16+4c..  (as mma.m16n8k32)
-//   B: a k-step's 8 x 32 bytes as two 8 x 16-byte core matrices, each 128 contiguous bytes
-//      (row n = vector n), the second 128 bytes after the first: leading byte offset 128
-//   D: d0, d1 = row 16w+g, vectors 2c, 2c+1; d2, d3 = row 16w+g+8, same vectors
+//   B: a k-step's 32 x 32 bytes as 8 x 16-byte core matrices of 128 contiguous bytes each (row
+//      = vector): vectors 8j..8j+7, dims 16q..16q+15 at (2j + q) * 128: leading (K) byte
+//      offset 128, stride (N) byte offset 256
+//   D: d[4j], d[4j+1] = row 16w+g, vectors 8j+2c, 8j+2c+1; d[4j+2], d[4j+3] = row 16w+g+8
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -28,7 +30,7 @@
 #include <cstdlib>
 #include <vector>
 
-constexpr int kTokens = 64, kVecs = 8, kDim = 128, kSteps = kDim / 32;
+constexpr int kTokens = 64, kVecs = 32, kDim = 128, kSteps = kDim / 32;
 
 // The descriptor of a no-swizzle K-major operand: address, leading (K) and stride (M/N) byte
 // offsets, each in 16-byte units.
@@ -39,15 +41,16 @@ __device__ uint64_t smem_desc(const void* p, uint32_t lbo, uint32_t sbo) {
 }
 
 __global__ void probe(const uint8_t* keys, const uint8_t* queries, float* out) {
-  __shared__ __align__(128) uint8_t b[kSteps][2][kVecs][16];  // [k-step][core matrix][n][16 B]
+  // [k-step][vectors / 8][dims / 16 of the k-step][vector % 8][dim % 16]
+  __shared__ __align__(128) uint8_t b[kSteps][kVecs / 8][2][8][16];
   const int t = threadIdx.x, w = t / 32, lane = t % 32, g = lane / 4, c = lane % 4;
   for (int i = t; i < kVecs * kDim; i += blockDim.x) {  // query n, dim d -> its core matrix
     const int n = i / kDim, d = i % kDim;
-    b[d / 32][(d % 32) / 16][n][d % 16] = queries[i];
+    b[d / 32][n / 8][(d % 32) / 16][n % 8][d % 16] = queries[i];
   }
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> async proxy
   __syncthreads();
-  float d[4] = {0.f, 0.f, 0.f, 0.f};
+  float d[16] = {};
   for (int s = 0; s < kSteps; ++s) {
     auto word = [&](int row, int dim) {
       return *reinterpret_cast<const uint32_t*>(keys + row * kDim + 32 * s + dim);
@@ -55,20 +58,24 @@ __global__ void probe(const uint8_t* keys, const uint8_t* queries, float* out) {
     const int r0 = 16 * w + g, r1 = r0 + 8;
     const uint32_t a0 = word(r0, 4 * c), a1 = word(r1, 4 * c), a2 = word(r0, 16 + 4 * c),
                    a3 = word(r1, 16 + 4 * c);
-    const uint64_t desc = smem_desc(&b[s][0][0][0], 128, 256);
+    const uint64_t desc = smem_desc(&b[s][0][0][0][0], 128, 256);
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
     asm volatile(
-        "{.reg .pred p; setp.ne.b32 p, %9, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, "
-        "p, 1, 1;}"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        "{.reg .pred p; setp.ne.b32 p, %21, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,"
+        "%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, p, 1, 1;}"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),
+          "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(s));
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
   }
   const int r0 = 16 * w + g, r1 = r0 + 8;
-  out[r0 * kVecs + 2 * c] = d[0], out[r0 * kVecs + 2 * c + 1] = d[1];
-  out[r1 * kVecs + 2 * c] = d[2], out[r1 * kVecs + 2 * c + 1] = d[3];
+  for (int j = 0; j < kVecs / 8; ++j) {
+    out[r0 * kVecs + 8 * j + 2 * c] = d[4 * j], out[r0 * kVecs + 8 * j + 2 * c + 1] = d[4 * j + 1];
+    out[r1 * kVecs + 8 * j + 2 * c] = d[4 * j + 2], out[r1 * kVecs + 8 * j + 2 * c + 1] = d[4 * j + 3];
+  }
 }
 
 // e4m3 (bias 7, no infinities) to float, for the host check.
