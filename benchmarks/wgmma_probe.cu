@@ -73,8 +73,9 @@ __global__ void probe(const uint8_t* keys, const uint8_t* queries, float* out) {
   }
   const int r0 = 16 * w + g, r1 = r0 + 8;
   for (int j = 0; j < kVecs / 8; ++j) {
-    out[r0 * kVecs + 8 * j + 2 * c] = d[4 * j], out[r0 * kVecs + 8 * j + 2 * c + 1] = d[4 * j + 1];
-    out[r1 * kVecs + 8 * j + 2 * c] = d[4 * j + 2], out[r1 * kVecs + 8 * j + 2 * c + 1] = d[4 * j + 3];
+    float* o0 = out + r0 * kVecs + 8 * j + 2 * c;
+    float* o1 = out + r1 * kVecs + 8 * j + 2 * c;
+    o0[0] = d[4 * j], o0[1] = d[4 * j + 1], o1[0] = d[4 * j + 2], o1[1] = d[4 * j + 3];
   }
 }
 
@@ -120,7 +121,8 @@ int main() {
       }
       const float got = out[r * kVecs + n];
       const double rel = std::isfinite(got) ? std::fabs(got - ref) / mag : INFINITY;
-      if (rel > 1e-2 && shown++ < 8) printf("token %d vector %d: got %g, expected %g\n", r, n, got, ref);
+      if (rel > 1e-2 && shown++ < 8)
+        printf("token %d vector %d: got %g, expected %g\n", r, n, got, ref);
       worst = rel > worst ? rel : worst;
     }
   const bool layouts = worst < 1e-2;
