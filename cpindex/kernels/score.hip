@@ -695,7 +695,7 @@ CP_DEVICE void merge_candidates(const ScoreParams& p) {
     // Position by ascending id: valid ids first, then the padding in lane order.
     int pos = 0, n_valid = 0;
     for (int r = 0; r < k; ++r) {
-      const int other = __float_as_int(cp_shfl(__int_as_float(id), r));
+      const int other = cp_shfl_int(id, r);
       const bool other_valid = other != 0x7fffffff;
       n_valid += other_valid;
       pos += valid ? (other_valid && other < id) : (!other_valid && r < lane);
