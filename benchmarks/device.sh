@@ -13,8 +13,10 @@
 #                          against the register path and a 4-CTA register cap)
 #   probe [VARIANT WORLD]  benchmarks/handshake_probe.py with CUDA_MODULE_LOADING=EAGER, then LAZY
 #   profile FMT REQ CTX [T]  Nsight Compute on benchmarks/profile_kernel.py (stall reasons too)
+#   phases [ARGS]          benchmarks/phase_trace.py: where a pushed call's time goes, phase by
+#                          phase (score_push and select_blocks, the one-process world)
 #   wgmma-probe            benchmarks/wgmma_probe.cu: the operand layouts and accumulation
-#                          precision of Hopper's native e4m3 warpgroup mma (sm_90a)
+#                          precision of Hopper's warpgroup mma, e4m3 and f16 (sm_90a)
 #   all                    tests, demo, bench-kernel and bench-ab with their defaults
 #
 # Environment: OUT (results folder: logs, JSON, PNG; default /tmp/cpindex-device), WHEELS (a
@@ -149,13 +151,17 @@ cmd_profile() {
   grep -E "inst_executed_pipe" "$OUT/$name" | sort -k3 -g -r | head -8
 }
 
+cmd_phases() {
+  bounded 500 python3 benchmarks/phase_trace.py "$@" 2>&1 | tee "$OUT/phases.txt" | grep -v Warn
+}
+
 cmd_wgmma_probe() {
   bounded 120 nvcc -O2 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/wgmma_probe \
     benchmarks/wgmma_probe.cu || return 1
   bounded 30 /tmp/wgmma_probe
 }
 
-[ $# -ge 1 ] || { sed -n '2,23p' "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n '2,25p' "$0"; exit 2; }
 cmd=$1
 shift
 setup || exit 1
@@ -167,6 +173,7 @@ case $cmd in
   variants) cmd_variants "$@" ;;
   probe) cmd_probe "$@" ;;
   profile) cmd_profile "$@" ;;
+  phases) cmd_phases "$@" ;;
   wgmma-probe) cmd_wgmma_probe ;;
   all)
     rc=0

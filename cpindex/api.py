@@ -294,9 +294,10 @@ class IndexCP:
         (docs/contract.md §6). Same inputs as :meth:`score_push`.
 
         Per (head, row): the ``topk`` columns with the highest scores, forced blocks included,
-        ``-inf`` columns never, equal scores to the lower block id. Transports that can
-        (``collective``) exchange only each rank's ``topk`` candidates per (head, row), so the
-        exchange does not grow with ``width``; the others select from the pushed scores.
+        ``-inf`` columns never, equal scores to the lower block id. Ranks exchange only their
+        ``topk`` candidates per (head, row), so the exchange does not grow with ``width``:
+        ``collective`` through torch.distributed, ``ipc`` and ``mori`` inside the one fused
+        launch (up to ``topk`` 16; a larger ``topk`` pushes the scores and selects from them).
 
         Args:
             iq, index_cache, block_table, seq_lens, init_blocks, local_blocks, width,

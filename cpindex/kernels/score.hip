@@ -42,6 +42,11 @@
 #ifndef CP_NT4_CTAS  // CTAs per SM the four-tile instances' registers leave room for (0: ptxas's)
 #define CP_NT4_CTAS 0
 #endif
+// CP_PHASE_TRACE (measurement only, CUDA): in push mode, thread 0 of CTA 0 and of the last CTA
+// prints the SM clock at each phase of every 128th call (benchmarks/phase_trace.py reads it).
+#if defined(CP_PHASE_TRACE) && !defined(CP_HIP)
+#include <cstdio>
+#endif
 #ifndef CP_MAX_QUERY_TILES  // query n-tiles (8 vectors each) per pass over a page: 1, 2 or 4
 #define CP_MAX_QUERY_TILES 4
 #endif
@@ -64,6 +69,13 @@ constexpr int kVecsPerTile = 8;                  // query vectors per mma n-tile
 constexpr float kForcedLocal = 1e29f;
 constexpr float kForcedInit = 1e30f;
 constexpr int kMaxSelect = 16;                   // select_blocks' topk the kernel fuses (larger: torch)
+
+#if defined(CP_PHASE_TRACE) && !defined(CP_HIP)
+// Phase i's time (after a CTA-wide sync, so it is the CTA's, not one warp's).
+#define CP_PHASE(i) (__syncthreads(), trace[i] = clock64(), i == 0 ? (void)(start_ns = cp_clock_ticks()) : (void)0)
+#else
+#define CP_PHASE(i) ((void)0)
+#endif
 
 // ---- formats -----------------------------------------------------------------------------------
 // Each lane c (= lane % 4) of a group owns 32 of a token's 128 dims, as 16 packed 16-bit pairs
@@ -627,20 +639,32 @@ CP_DEVICE int64_t warp_max64(int64_t v) {
 
 // The warp's `k` largest of `n` keys (key(e) for e < n): lane r < k returns the r-th largest,
 // other lanes kFiller. Each lane keeps its kMaxSelect best in registers, then k rounds take the
-// warp's best head.
+// warp's best head. A lane reads kSelectBatch keys before inserting any, so their loads (from L2:
+// the shard or the candidates were just written) overlap instead of following one another.
+constexpr int kSelectBatch = 4;
+
 template <typename Key>
 CP_DEVICE int64_t warp_topk(int n, int k, int lane, Key key) {
   int64_t best[kMaxSelect];
 #pragma unroll
   for (int s = 0; s < kMaxSelect; ++s) best[s] = kFiller;
-  for (int e = lane; e < n; e += CP_WARP) {
-    int64_t x = key(e);
-    if (x <= best[kMaxSelect - 1]) continue;
+  for (int base = 0; base < n; base += kSelectBatch * CP_WARP) {
+    int64_t xs[kSelectBatch];
 #pragma unroll
-    for (int s = 0; s < kMaxSelect; ++s) {  // insertion into the descending list
-      const int64_t hi = x > best[s] ? x : best[s];
-      x = x > best[s] ? best[s] : x;
-      best[s] = hi;
+    for (int b = 0; b < kSelectBatch; ++b) {
+      const int e = base + b * CP_WARP + lane;
+      xs[b] = e < n ? key(e) : kFiller;
+    }
+#pragma unroll
+    for (int b = 0; b < kSelectBatch; ++b) {
+      int64_t x = xs[b];
+      if (x <= best[kMaxSelect - 1]) continue;
+#pragma unroll
+      for (int s = 0; s < kMaxSelect; ++s) {  // insertion into the descending list
+        const int64_t hi = x > best[s] ? x : best[s];
+        x = x > best[s] ? best[s] : x;
+        best[s] = hi;
+      }
     }
   }
   int64_t mine = kFiller;
@@ -814,6 +838,22 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   __shared__ int cta_failed;
   __shared__ int is_last;
   uint64_t call = 0;
+#if defined(CP_PHASE_TRACE) && !defined(CP_HIP)
+  long long trace[8] = {};
+  uint64_t start_ns = 0;
+  // Every 128th call: the clock at each phase the CTA passed, from its start, and when it ended
+  // (globaltimer, to line ranks up).
+  auto print_trace = [&] {
+    if (threadIdx.x != 0 || !(blockIdx.x == 0 || is_last) || call % 128 != 64) return;
+    long long d[8];
+    for (int i = 0; i < 8; ++i) d[i] = trace[i] ? trace[i] - trace[0] : -1;
+    printf("cp-trace rank %d call %llu cta %d last %d select %d start_ns %llu end_ns %llu cycles "
+           "%lld %lld %lld %lld %lld %lld %lld %lld\n", p.rank, (unsigned long long)call,
+           (int)blockIdx.x, is_last, p.topk > 0, (unsigned long long)start_ns,
+           (unsigned long long)cp_clock_ticks(), (long long)clock64() - trace[0],
+           d[1], d[2], d[3], d[4], d[5], d[6], d[7]);
+  };
+#endif
 
   if (failed(p)) return;  // an earlier call failed: the host raises; don't stall every replay
   if constexpr (kFp4<F>) {  // 4 KiB of f16 bytes, then 2 KiB of e4m3 bytes
@@ -824,6 +864,7 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   }
   if (threadIdx.x == 0) cta_failed = 0;
   __syncthreads();
+  CP_PHASE(0);
 
   if (push) {
     call = *ps.calls + 1;
@@ -853,6 +894,7 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
     }
     __syncthreads();
   }
+  CP_PHASE(1);
 
   if (!cta_failed) {
     const Vecs vs = {p.query_len * p.num_heads, p.num_heads, p.query_len};
@@ -969,11 +1011,14 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   }
 
   if (!push) return;
+  CP_PHASE(2);
   const bool select = p.topk > 0;
   if (select) {  // every CTA's shard columns are written before any CTA selects from them
     cp_fence_gpu();  // the shard is this GPU's memory: device scope orders it
     if (!grid_barrier(p, ps, call)) cta_failed = 1;
+    CP_PHASE(3);
     if (!cta_failed) select_local(p);
+    CP_PHASE(4);
   }
   // Completion: the last CTA to finish signals every peer; it (or, when selecting, every CTA,
   // which then merges) waits for every peer's signal.
@@ -981,8 +1026,12 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   __syncthreads();
   if (threadIdx.x == 0) is_last = atomicAdd(ps.ticket, 1u) == gridDim.x - 1;
   __syncthreads();
+  CP_PHASE(5);
+#if defined(CP_PHASE_TRACE) && !defined(CP_HIP)
+  if (!is_last && !select) print_trace();
+#endif
   if (!is_last && !select) return;
-  cp_fence_sys();
+  if (is_last) cp_fence_sys();  // every CTA's writes (seen through the ticket) before the release
   if (!handshake_failed(p)) {
     if (is_last && (int)threadIdx.x < p.world)
       cp_store_release_sys(ps.peer_s_flag[threadIdx.x], call);
@@ -992,7 +1041,12 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
       cta_failed = 1;
   }
   __syncthreads();
+  CP_PHASE(6);
   if (select && !cta_failed && !handshake_failed(p)) merge_candidates(p);
+  CP_PHASE(7);
+#if defined(CP_PHASE_TRACE) && !defined(CP_HIP)
+  print_trace();
+#endif
   if (is_last && threadIdx.x == 0) {
     *ps.ticket = 0u;
     *ps.barrier = 0u;
