@@ -1,10 +1,15 @@
-"""The kernel build's measurement switches are checked before anything is compiled."""
+"""The kernel build's measurement switches are checked before anything is compiled, and the
+digest that names the kernel sources in results is the one device.sh prints."""
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 import pytest
 
-from cpindex.kernels.build import measurement_defines
+import cpindex.kernels
+from cpindex.kernels.build import measurement_defines, sources_digest
 
 
 @pytest.mark.parametrize("bad", ["-O0", "CP_X=1;rm", "cp_lower=1", "CP_X=$(id)"])
@@ -19,3 +24,12 @@ def test_kernel_defines_parse(monkeypatch):
     assert measurement_defines() == []
     monkeypatch.setenv("CPINDEX_KERNEL_DEFINES", "CP_META_PREFETCH=0  CP_MEASURE_LOADS_ONLY")
     assert measurement_defines() == ["CP_META_PREFETCH=0", "CP_MEASURE_LOADS_ONLY"]
+
+
+def test_sources_digest_is_the_shell_one():
+    # = cat cpindex/kernels/*.hip cpindex/kernels/*.h | sha256sum | cut -c1-12
+    here = Path(cpindex.kernels.__file__).parent
+    files = sorted(here.glob("*.hip")) + sorted(here.glob("*.h"))
+    assert [f.name for f in files] == ["score.hip", "compat.h", "launch.h"]
+    want = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:12]
+    assert sources_digest() == want

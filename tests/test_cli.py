@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from cpindex import kernels
 from cpindex.cli import build_parser
 
 
@@ -128,6 +129,7 @@ def test_bench_cpu_writes_json(tmp_path):
     text = out.read_text()
     assert "results_path" not in text and str(tmp) not in text
     data = json.loads(text)
+    assert data["meta"]["kernel_sources"] == kernels.sources_digest()  # names the code it ran
     assert [r["rows"] for r in data["results"]] == [1, 3]
     for r in data["results"]:
         assert r["agree"] == {"collective": True}

@@ -10,6 +10,7 @@ import platform
 
 import torch
 
+from .. import kernels
 from . import ab, kernel_sweep, nccl_tests
 
 K = 1024
@@ -50,6 +51,8 @@ def main(args: argparse.Namespace) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": _device_name(),
         "torch": torch.__version__,
+        "kernel_sources": kernels.sources_digest(),
+        "kernel_defines": kernels.measurement_defines(),
         "args": {k: v for k, v in vars(args).items() if k != "func"},
     }
     if args.kernel:

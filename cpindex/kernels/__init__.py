@@ -1,6 +1,20 @@
 """The fused HIP/CUDA scoring kernel: source (``score.hip``, ``compat.h``, ``launch.h``), torch
 binding (``binding.cpp``), JIT build (:mod:`.build`) and launcher (:mod:`.launcher`)."""
 
-from .build import KernelUnavailable, available, device_arch, load
+from .build import (
+    KernelUnavailable,
+    available,
+    device_arch,
+    load,
+    measurement_defines,
+    sources_digest,
+)
 
-__all__ = ["KernelUnavailable", "available", "device_arch", "load"]
+__all__ = [
+    "KernelUnavailable",
+    "available",
+    "device_arch",
+    "load",
+    "measurement_defines",
+    "sources_digest",
+]

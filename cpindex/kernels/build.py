@@ -47,6 +47,16 @@ def _source_hash(flags: list[str]) -> str:
     return h.hexdigest()[:16]
 
 
+def sources_digest() -> str:
+    """12 hex digits of the sha256 of the kernel sources (``score.hip``, then ``compat.h`` and
+    ``launch.h``): the same as ``cat cpindex/kernels/*.hip cpindex/kernels/*.h | sha256sum``,
+    which ``benchmarks/device.sh`` prints, so a result names the code it ran."""
+    h = hashlib.sha256()
+    for path in sorted(_HERE.glob("*.hip")) + sorted(_HERE.glob("*.h")):
+        h.update(path.read_bytes())
+    return h.hexdigest()[:12]
+
+
 _DEFINE = re.compile(r"CP_[A-Z0-9_]+(=[A-Za-z0-9_.]+)?")
 
 
