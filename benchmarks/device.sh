@@ -16,7 +16,8 @@
 #   phases [ARGS]          benchmarks/phase_trace.py: where a pushed call's time goes, phase by
 #                          phase (score_push and select_blocks, the one-process world)
 #   wgmma-probe            benchmarks/wgmma_probe.cu: the operand layouts and accumulation
-#                          precision of Hopper's warpgroup mma, e4m3 and f16 (sm_90a)
+#                          precision of Hopper's warpgroup mma, e4m3 and f16 (sm_90a), and the
+#                          T = 8 tensor throughput of mma.sync and the warpgroup mma
 #   all                    tests, demo, bench-kernel and bench-ab with their defaults
 #
 # Environment: OUT (results folder: logs, JSON, PNG; default /tmp/cpindex-device), WHEELS (a

@@ -17,7 +17,8 @@
 // Per case it prints the largest error relative to the sum of |products| and relative to the
 // row's largest |score| (the kernel tests' measure, which allows 1e-5: fp32 summation order
 // only). fp8 matrix products on Hopper are reported to keep about 14 bits while accumulating;
-// this measures it. Exit status 0 when every layout holds (errors < 1e-2).
+// this measures it. Exit status 0 when every layout holds (errors < 1e-2). Last, the tensor
+// throughput of the T = 8 work alone (no memory) with each instruction, 1 to 4 CTAs per SM.
 //
 // Layouts under test (lane = 4g + c of warp w; token = row, dim = k):
 //   A, e4m3 k32: a0 = row 16w+g, dims 4c..4c+3; a1 = row 16w+g+8, same dims; a2 = row 16w+g,
@@ -184,6 +185,112 @@ static bool run(const char* name, bool f16, bool normal, std::mt19937& rng) {
   return ok;
 }
 
+// ---- Throughput: the T = 8 tensor work alone (32 vectors x 128 dims per 16 keys), no memory ----
+// Each warp runs `iters` tiles of 16 keys, the way the scoring kernel's four-tile instance does
+// (mma: 4 n-tiles x 8 k-steps of mma.sync.m16n8k16 per warp, query fragments in 64 registers),
+// or each warpgroup runs `iters` / 4 tiles of 64 keys (wgmma: 8 k-steps of m64n32k16, queries
+// in shared memory). The scores are folded into a running max, as the kernel does.
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__global__ void tput_mma(float* sink, int iters) {
+  uint32_t q[8][4][2], a[8][4];
+  const uint32_t seed = 0x3c003c00u ^ (threadIdx.x * 0x00010001u);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+#pragma unroll
+    for (int n = 0; n < 4; ++n) q[k][n][0] = seed + k * 4 + n, q[k][n][1] = seed ^ (k + n);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[k][i] = seed + 16 * k + i;
+  }
+  float m = -INFINITY;
+  for (int it = 0; it < iters; ++it) {
+    float d[4][4] = {};
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      uint32_t ak[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) ak[i] = a[k][i] ^ (uint32_t)(it & 1);  // a new tile's keys
+#pragma unroll
+      for (int n = 0; n < 4; ++n) mma16816(d[n], ak, q[k][n][0], q[k][n][1]);
+    }
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) m = fmaxf(m, d[n][e]);
+  }
+  if (m == 1.2345f) sink[threadIdx.x] = m;  // keeps the work
+}
+
+__global__ void tput_wgmma(float* sink, int iters) {
+  __shared__ __align__(128) uint8_t b[8][4][2][8][16];
+  for (int i = threadIdx.x; i < (int)sizeof(b); i += blockDim.x)
+    (&b[0][0][0][0][0])[i] = (uint8_t)(i * 7 + 0x3c);
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  __syncthreads();
+  uint32_t a[8][4];
+  const uint32_t seed = 0x3c003c00u ^ (threadIdx.x * 0x00010001u);
+#pragma unroll
+  for (int k = 0; k < 8; ++k)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[k][i] = seed + 16 * k + i;
+  float m = -INFINITY;
+  for (int it = 0; it < iters / 4; ++it) {
+    float d[16];
+    uint32_t ak[8][4];  // the tile's A operands are ready before the group (as converted keys)
+#pragma unroll
+    for (int k = 0; k < 8; ++k)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) ak[k][i] = a[k][i] ^ (uint32_t)(it & 1);
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+    for (int k = 0; k < 8; ++k) wgmma(d, ak[k], smem_desc(&b[k][0][0][0][0], 128, 256), k, true);
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+    for (int e = 0; e < 16; ++e) m = fmaxf(m, d[e]);
+  }
+  if (m == 1.2345f) sink[threadIdx.x] = m;
+}
+
+// TFLOP/s of each form at 1 to 4 CTAs (of 4 warps) per SM.
+static void throughput() {
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  float* sink;
+  cudaMalloc(&sink, 128 * sizeof(float));
+  cudaEvent_t t0, t1;
+  cudaEventCreate(&t0), cudaEventCreate(&t1);
+  const int iters = 4096;
+  for (int wg = 0; wg < 2; ++wg)
+    for (int per_sm = 1; per_sm <= 4; ++per_sm) {
+      const int grid = sms * per_sm;
+      float best = 1e30f;
+      for (int rep = 0; rep < 3; ++rep) {
+        cudaEventRecord(t0);
+        if (wg) tput_wgmma<<<grid, 128>>>(sink, iters);
+        else tput_mma<<<grid, 128>>>(sink, iters);
+        cudaEventRecord(t1);
+        cudaEventSynchronize(t1);
+        float ms = 0;
+        cudaEventElapsedTime(&ms, t0, t1);
+        best = std::fmin(best, ms);
+      }
+      // mma: each warp scores iters tiles of 16 keys; wgmma: each CTA iters / 4 tiles of 64
+      const double tokens = (double)grid * (wg ? iters / 4 * 64 : 4 * iters * 16);
+      const double flops = tokens * 32 * 128 * 2;
+      printf("throughput %-6s %d CTAs/SM: %7.1f TFLOP/s (%s)\n", wg ? "wgmma" : "mma", per_sm,
+             flops / (best * 1e-3) / 1e12, cudaGetErrorString(cudaGetLastError()));
+    }
+  cudaFree(sink);
+}
+
 int main() {
   std::mt19937 rng(1);
   bool ok = true;
@@ -191,5 +298,6 @@ int main() {
   ok &= run("e4m3 normal", false, true, rng);
   ok &= run("f16 bytes", true, false, rng);
   ok &= run("f16 normal", true, true, rng);
+  throughput();
   return ok ? 0 : 1;
 }

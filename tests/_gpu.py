@@ -12,6 +12,16 @@ needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA/ROCm GPU")
 FORMATS = ["bf16", "fp8", "nvfp4"]
 
 
+def force_warpgroup_mma(monkeypatch) -> None:
+    """Run the warpgroup-mma instance (sm_90a builds, T * H of 17..32) at any batch size: the
+    launcher otherwise picks it for large batches only. Skips where the build has none."""
+    from cpindex.kernels import launcher, load
+
+    if not load(torch.device("cuda", 0)).has_wgmma(32):
+        pytest.skip("no warpgroup-mma instance in this build (sm_90a only)")
+    monkeypatch.setattr(launcher, "WGMMA_MIN_ITEMS_PER_SM", 0)
+
+
 def needs_gpus(n: int):
     count = torch.cuda.device_count() if HAS_GPU else 0
     return pytest.mark.skipif(count < n, reason=f"needs {n} GPUs, found {count}")

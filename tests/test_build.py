@@ -1,5 +1,6 @@
-"""The kernel build's measurement switches are checked before anything is compiled, and the
-digest that names the kernel sources in results is the one device.sh prints."""
+"""The kernel build's switches are checked before anything is compiled (and Hopper gets its
+warpgroup-mma build), and the digest that names the kernel sources in results is the one
+device.sh prints."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import cpindex.kernels
-from cpindex.kernels.build import measurement_defines, sources_digest
+from cpindex.kernels.build import build_defines, measurement_defines, sources_digest
 
 
 @pytest.mark.parametrize("bad", ["-O0", "CP_X=1;rm", "cp_lower=1", "CP_X=$(id)"])
@@ -24,6 +25,17 @@ def test_kernel_defines_parse(monkeypatch):
     assert measurement_defines() == []
     monkeypatch.setenv("CPINDEX_KERNEL_DEFINES", "CP_META_PREFETCH=0  CP_MEASURE_LOADS_ONLY")
     assert measurement_defines() == ["CP_META_PREFETCH=0", "CP_MEASURE_LOADS_ONLY"]
+
+
+def test_hopper_builds_the_warpgroup_mma_unless_told_not_to(monkeypatch):
+    monkeypatch.delenv("CPINDEX_KERNEL_DEFINES", raising=False)
+    assert build_defines("sm_90") == ["CP_WGMMA=1"]
+    assert build_defines("sm_90", portable=True) == []
+    assert build_defines("sm_80") == build_defines("gfx950") == []
+    monkeypatch.setenv("CPINDEX_KERNEL_DEFINES", "CP_WGMMA=0 CP_GROUP_MAX=1")
+    assert build_defines("sm_90") == ["CP_WGMMA=0", "CP_GROUP_MAX=1"]
+    monkeypatch.setenv("CPINDEX_KERNEL_DEFINES", "CP_GROUP_MAX=1")
+    assert build_defines("sm_90") == ["CP_WGMMA=1", "CP_GROUP_MAX=1"]
 
 
 def test_sources_digest_is_the_shell_one():

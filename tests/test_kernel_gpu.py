@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _gpu import FORMATS, assert_scores, expected, needs_gpu
+from _gpu import FORMATS, assert_scores, expected, force_warpgroup_mma, needs_gpu
 
 from cpindex import BadBlockTableError, formats, ops, testing
 from cpindex.kernels import launcher
@@ -47,7 +47,8 @@ def test_kernel_matches_reference(fmt, case):
 
 
 # requests, T, heads, max_len, init, local: T * H of 1 .. 64 query vectors (1, 2 and 4 query
-# tiles, and 64 = two passes over each page); lengths equal to T; rows = max (64 * 4 = 256)
+# tiles, and 64 = two passes over each page); lengths equal to T; rows = max (64 * 4 = 256);
+# four tiles (the warpgroup-mma instances on Hopper) over many ragged requests
 MULTI = [
     (5, 2, 4, 3000, 0, 1),
     (7, 3, 2, 900, 1, 1),
@@ -57,6 +58,9 @@ MULTI = [
     (4, 8, 4, 20_000, 2, 2),
     (3, 8, 8, 5000, 0, 1),
     (2, 5, 1, 700, 0, 0),
+    (33, 8, 4, 9000, 1, 1),
+    (9, 4, 8, 3000, 0, 1),
+    (6, 8, 4, 8, 0, 1),
 ]
 
 
@@ -75,6 +79,46 @@ def test_multi_token_requests_match_reference(fmt, case):
     )  # fmt: skip
     assert got.shape == (heads, requests * t, prob.width)
     assert_scores(got, expected(prob, init, local))
+
+
+@pytest.mark.parametrize("fmt", [*FORMATS, "nvfp4-vllm"])
+@pytest.mark.parametrize(
+    "case", [c for c in MULTI if c[1] * c[2] > 16], ids=lambda c: f"wg-r{c[0]}-T{c[1]}-H{c[2]}"
+)
+def test_warpgroup_instance_matches_reference(fmt, case, monkeypatch):
+    """Four query tiles through the warpgroup mma (sm_90a), whatever the batch size: CTAs share
+    groups, warps short of pages stream a dummy one, T * H = 64 takes two passes."""
+    force_warpgroup_mma(monkeypatch)
+    requests, t, heads, max_len, init, local = case
+    prob = testing.make_problem(
+        requests, max_len, fmt[:5], query_len=t, num_heads=heads, seed=sum(case) + 1, device="cuda"
+    )
+    cache = formats.to_vllm_layout(prob.index_cache) if fmt == "nvfp4-vllm" else prob.index_cache
+    got = ops.block_scores(
+        prob.q, cache, prob.block_table, prob.seq_lens,
+        init_blocks=init, local_blocks=local, width=prob.width, query_len=t,
+    )  # fmt: skip
+    assert_scores(got, expected(prob, init, local))
+
+
+def test_warpgroup_instance_graph_replay_lengths_changed_in_place(monkeypatch):
+    force_warpgroup_mma(monkeypatch)
+    requests, t, max_len = 7, 8, 6000
+    base = testing.make_problem(requests, max_len, "nvfp4", query_len=t, seed=5, device="cuda")
+    q, bt, sl = base.q.clone(), base.block_table.clone(), base.seq_lens.clone()
+    cache = base.index_cache
+    ops.block_scores(q, cache, bt, sl, width=base.width, query_len=t, init_blocks=1)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = ops.block_scores(q, cache, bt, sl, width=base.width, query_len=t, init_blocks=1)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(4):
+        sl.copy_(testing.random_lengths(requests, max_len, gen, min_len=t).cuda())
+        out.fill_(float("nan"))
+        g.replay()
+        want = testing.Problem(q, cache, bt, sl, base.width, "nvfp4", t)
+        assert_scores(out, expected(want, 1, 1))
 
 
 def test_multi_token_short_request_is_reported():

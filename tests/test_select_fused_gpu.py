@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _gpu import FORMATS, kernel_copy, needs_gpu, unambiguous
+from _gpu import FORMATS, force_warpgroup_mma, kernel_copy, needs_gpu, unambiguous
 
 from cpindex import CPIndexConfig, IndexCP, reference, selection, testing
 from cpindex.kernels import structs
@@ -51,9 +51,13 @@ def _problems(fmt: str, t: int, seed: int, n: int = 4):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize(("world", "t"), [(2, 1), (4, 1), (4, 4)])
+@pytest.mark.parametrize(
+    ("world", "t", "wg"), [(2, 1, 0), (4, 1, 0), (4, 4, 0), (4, 8, 0), (4, 8, 1)]
+)
 @pytest.mark.parametrize("topk", [1, 16, 32])
-def test_fused_selection_matches_scores_and_reference(fmt, world, t, topk):
+def test_fused_selection_matches_scores_and_reference(fmt, world, t, wg, topk, monkeypatch):
+    if wg:  # T * H = 32: the warpgroup-mma instance as well as the launcher's choice
+        force_warpgroup_mma(monkeypatch)
     probs = _problems(fmt, t, seed=world * 10 + t)
 
     def job(cp, comm):

@@ -17,7 +17,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _gpu import FORMATS, assert_scores, expected, for_rank, kernel_copy, needs_gpu
+from _gpu import (
+    FORMATS,
+    assert_scores,
+    expected,
+    for_rank,
+    force_warpgroup_mma,
+    kernel_copy,
+    needs_gpu,
+)
 
 from cpindex import CPIndexConfig, IndexCP, OutOfStepError, PeerTimeoutError, testing
 from cpindex.world import Comm, in_turn, run_threads, spawn_processes
@@ -54,8 +62,12 @@ def _problems(fmt, n, seed, num_heads=4, max_rows=32, max_len=256 * 128, query_l
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize(("world", "t"), [(2, 1), (4, 1), (4, 4), (2, 8)])
-def test_ipc_matches_collective_and_reference(fmt, world, t):
+@pytest.mark.parametrize(
+    ("world", "t", "wg"), [(2, 1, 0), (4, 1, 0), (4, 4, 0), (2, 8, 0), (4, 8, 0), (4, 8, 1)]
+)
+def test_ipc_matches_collective_and_reference(fmt, world, t, wg, monkeypatch):
+    if wg:  # T * H = 32: the warpgroup-mma instance as well as the launcher's choice
+        force_warpgroup_mma(monkeypatch)
     probs = _problems(fmt, 6, seed=world + t, query_len=t)
     refs = [expected(p, 0, 1) for p in probs]
 

@@ -4,6 +4,7 @@ binding (``binding.cpp``), JIT build (:mod:`.build`) and launcher (:mod:`.launch
 from .build import (
     KernelUnavailable,
     available,
+    build_defines,
     device_arch,
     load,
     measurement_defines,
@@ -13,6 +14,7 @@ from .build import (
 __all__ = [
     "KernelUnavailable",
     "available",
+    "build_defines",
     "device_arch",
     "load",
     "measurement_defines",

@@ -73,6 +73,17 @@ def measurement_defines() -> list[str]:
     return defines
 
 
+def build_defines(arch: str, *, portable: bool = False) -> list[str]:
+    """The kernel switches a build for ``arch`` compiles with: ``CP_WGMMA=1`` on sm_90 (Hopper
+    builds sm_90a, whose four-tile instances use the warpgroup mma; docs/kernel.md) unless
+    ``CPINDEX_KERNEL_DEFINES`` sets it (``CP_WGMMA=0`` builds them the sm_90 way), then the
+    measurement switches."""
+    defines = measurement_defines()
+    if arch == "sm_90" and not portable and all(d.split("=")[0] != "CP_WGMMA" for d in defines):
+        defines = ["CP_WGMMA=1", *defines]
+    return defines
+
+
 def load(device: torch.device | None = None, *, portable: bool = False) -> ModuleType:
     """The compiled extension for ``device``'s architecture (built on first use).
 
@@ -86,8 +97,10 @@ def load(device: torch.device | None = None, *, portable: bool = False) -> Modul
             return _modules[key]
         from torch.utils import cpp_extension
 
+        defines = build_defines(arch, portable=portable)
+        sm90a = any(d in ("CP_WGMMA", "CP_WGMMA=1") for d in defines)
         flags = ["-O3", "-std=c++17"] + (["-DCP_PORTABLE=1"] if portable else [])
-        flags += [f"-D{d}" for d in measurement_defines()]
+        flags += [f"-D{d}" for d in defines]
         name = f"cpindex_{arch}_{'portable_' if portable else ''}{_source_hash(flags)}"
         cache = Path(os.environ.get("CPINDEX_CACHE_DIR", Path.home() / ".cache" / "cpindex"))
         build_dir = cache / name
@@ -96,7 +109,7 @@ def load(device: torch.device | None = None, *, portable: bool = False) -> Modul
             os.environ["PYTORCH_ROCM_ARCH"] = arch
             kernel_src = _HERE / "score.hip"
         else:
-            os.environ["TORCH_CUDA_ARCH_LIST"] = f"{arch[3:-1]}.{arch[-1]}"
+            os.environ["TORCH_CUDA_ARCH_LIST"] = f"{arch[3:-1]}.{arch[-1]}" + ("a" if sm90a else "")
             # nvcc needs a .cu name; the wrapper includes the one HIP source.
             kernel_src = build_dir / "score.cu"
             kernel_src.write_text(f'#include "{_HERE / "score.hip"}"\n')

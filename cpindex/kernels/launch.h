@@ -112,11 +112,15 @@ struct ScoreParams {
 // Otherwise push mode: deliver queries and the call identity, wait for peers' (and compare
 // identities), score, push, signal, wait.
 // Returns 0 or a cudaError_t/hipError_t value.
-int launch_score(const ScoreParams& p, const PushState* push, int format, int grid,
+// wgmma: the warpgroup-mma instance where the build has one for this T * H (score_has_wgmma).
+int launch_score(const ScoreParams& p, const PushState* push, int format, bool wgmma, int grid,
                  void* stream);
 
 // CTAs per SM the kernel for `vectors` = query_len * num_heads query vectors reaches (for the
 // persistent-grid cap).
-int score_occupancy(int format, int vectors, int* ctas_per_sm);
+int score_occupancy(int format, int vectors, bool wgmma, int* ctas_per_sm);
+
+// Whether this build has a warpgroup-mma instance (sm_90a) for `vectors` query vectors.
+bool score_has_wgmma(int vectors);
 
 }  // namespace cpindex

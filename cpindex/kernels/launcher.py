@@ -19,6 +19,11 @@ from .build import load
 
 PHASES = {structs.ERR_TIMEOUT_QUERIES: "queries", structs.ERR_TIMEOUT_SCORES: "scores"}
 
+# The warpgroup-mma instance (sm_90a builds, T * H of 17..32) is faster once a call gives each SM
+# a few pages per warp, and slower on small batches, where its warps wait on each other
+# (docs/BENCHMARKS.md): it runs from this many items (request, block) per SM of a rank's share.
+WGMMA_MIN_ITEMS_PER_SM = 32
+
 
 def nvfp4_lut() -> torch.Tensor:
     """The nvfp4 key-value tables the kernel decodes with, uint8 ``[6144]``. For scale byte
@@ -143,23 +148,28 @@ class KernelScorer:
         self._lut = nvfp4_lut().to(device) if fmt == "nvfp4" else None
         self._sms = torch.cuda.get_device_properties(device).multi_processor_count
         self._ranks_per_device = ranks_per_device
-        self._capacity: dict[tuple[int, int], int] = {}
+        self._capacity: dict[tuple[int, int, bool], int] = {}
 
     def grid(
         self, requests: int, width: int, push: bool, query_len: int = 1, fmt_id: int | None = None
-    ) -> int:
-        """Persistent grid from static sizes only; push grids must all be resident at once
-        (every CTA may wait for peers) and deliver queries from CTAs 0..world-1."""
+    ) -> tuple[int, bool]:
+        """The kernel instance (True: warpgroup mma) and its persistent grid, from static sizes
+        only; push grids must all be resident at once (every CTA may wait for peers) and
+        deliver queries from CTAs 0..world-1."""
         fid = self.fmt_id if fmt_id is None else fmt_id
         vectors = query_len * self.num_heads
-        cap = self._capacity.get((fid, vectors))
-        if cap is None:  # the kernel instance depends on the load width and on T * H
-            per_sm = self.mod.occupancy(fid, vectors)
-            cap = max(1, self._sms * per_sm // self._ranks_per_device)
-            self._capacity[(fid, vectors)] = cap
         items = requests * -(-width // self.world)
+        wgmma = (
+            self.mod.has_wgmma(vectors)
+            and items * self._ranks_per_device >= WGMMA_MIN_ITEMS_PER_SM * self._sms
+        )
+        cap = self._capacity.get((fid, vectors, wgmma))
+        if cap is None:  # the kernel instance depends on the load width and on T * H
+            per_sm = self.mod.occupancy(fid, vectors, wgmma)
+            cap = max(1, self._sms * per_sm // self._ranks_per_device)
+            self._capacity[(fid, vectors, wgmma)] = cap
         ctas = min(-(-items // 4), cap)
-        return max(ctas, self.world if push else 1)
+        return max(ctas, self.world if push else 1), wgmma
 
     def params(
         self,
@@ -227,8 +237,8 @@ class KernelScorer:
         fid = self.fmt_id
         if ks is not None and kv.stride(1) % 16:  # 8-byte aligned nvfp4 tokens: its own kernel
             fid = structs.NVFP4_NARROW
-        grid = self.grid(block_table.shape[0], width, push is not None, query_len, fid)
-        self.mod.score(q, kv, ks, block_table, seq_lens, params, push, fid, grid)
+        grid, wgmma = self.grid(block_table.shape[0], width, push is not None, query_len, fid)
+        self.mod.score(q, kv, ks, block_table, seq_lens, params, push, fid, wgmma, grid)
 
     def score_local(
         self,

@@ -42,6 +42,9 @@
 #ifndef CP_NT4_CTAS  // CTAs per SM the four-tile instances' registers leave room for (0: ptxas's)
 #define CP_NT4_CTAS 0
 #endif
+#ifndef CP_WG_CTAS  // the same for the warpgroup-mma instances (0: 3 for bf16, 4 otherwise)
+#define CP_WG_CTAS 0
+#endif
 // CP_PHASE_TRACE (measurement only, CUDA): in push mode, thread 0 of CTA 0 and of the last CTA
 // prints the SM clock at each phase of every 128th call (benchmarks/phase_trace.py reads it).
 #if defined(CP_PHASE_TRACE) && !defined(CP_HIP)
@@ -49,6 +52,14 @@
 #endif
 #ifndef CP_MAX_QUERY_TILES  // query n-tiles (8 vectors each) per pass over a page: 1, 2 or 4
 #define CP_MAX_QUERY_TILES 4
+#endif
+// CP_WGMMA (set by the build for sm_90a): the four-tile instances score with Hopper's warpgroup
+// mma, the queries in shared memory, the CTA's four warps on four pages of one request.
+#ifndef CP_WGMMA
+#define CP_WGMMA 0
+#endif
+#if CP_WGMMA && (!CP_USE_MMA || (defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)))
+#error "CP_WGMMA needs a CUDA sm_90a build"
 #endif
 // With a ring, bf16/fp8 tiles go global -> shared by cp.async (each instruction reads 512
 // contiguous bytes, and loads stay in flight during the math) and reach the mma through ldmatrix.
@@ -69,6 +80,8 @@ constexpr int kVecsPerTile = 8;                  // query vectors per mma n-tile
 constexpr float kForcedLocal = 1e29f;
 constexpr float kForcedInit = 1e30f;
 constexpr int kMaxSelect = 16;                   // select_blocks' topk the kernel fuses (larger: torch)
+// W (a template argument below): the instance scores through the warpgroup mma (sm_90a builds,
+// four query tiles); the launcher picks it for large batches (docs/kernel.md).
 
 #if defined(CP_PHASE_TRACE) && !defined(CP_HIP)
 // Phase i's time (after a CTA-wide sync, so it is the CTA's, not one warp's).
@@ -286,17 +299,73 @@ CP_DEVICE float hi(uint32_t w) { return kBf16 ? cp_bf16_hi(w) : cp_f16_hi(w); }
 // mma C-fragment layout: acc[u][0], acc[u][1] for token g; acc[u][2], acc[u][3] for g + kGroups.
 // A pass covers NT n-tiles of 8 vectors (tensor cores) or 8 vectors (portable path, NT = 1).
 #if CP_USE_MMA
-template <int NT>
+template <int NT, bool W>
 struct QueryFrag {
   uint32_t pairs[NT][16];  // vector 8u + g's values at this lane's dims
 };
 
-template <int F, int NT>
+// Warpgroup mma: the pass's 32 vectors live in shared memory as the B operand, 8 KiB at `smem`.
+template <int NT>
+struct QueryFrag<NT, true> {
+  uint32_t smem;  // shared-memory address of the B operand
+};
+
+template <int F, int NT, bool W>
 CP_DEVICE void prepare_query(const ScoreParams& p, const Vecs& vs, int req, int v0, int g, int c,
-                             QueryFrag<NT>& q, float*) {
+                             QueryFrag<NT, W>& q, float*) {
+  if constexpr (W) {
+    // CTA-wide. K-step s's 16 slots x 32 vectors, K-major without swizzle: core matrix (n / 8,
+    // half) holds vectors n..n+7 x slots 8 half .. +7 as 8 rows of 16 bytes, at (2 (n / 8) +
+    // half) * 128 bytes from the step's 1 KiB. Slots 2c, 2c+1 hold pair 2s of lane c's values,
+    // slots 8+2c, 9+2c pair 2s+1: the keys' A fragment pairs them the same way (tile_dot).
+    (void)g, (void)c;
+    const int n = threadIdx.x / 4, cc = threadIdx.x % 4;
+    uint32_t qf[16];
+    __syncthreads();  // every warp's mma of the previous pass or request has read the old B
+    load_query_pairs<F>(p, vs, req, v0 + n, cc, qf);
 #pragma unroll
-  for (int u = 0; u < NT; ++u) load_query_pairs<F>(p, vs, req, v0 + kVecsPerTile * u + g, c, q.pairs[u]);
+    for (int s = 0; s < 8; ++s)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const uint32_t at = q.smem + s * 1024 + (2 * (n / 8) + half) * 128 + (n % 8) * 16 + cc * 4;
+        asm volatile("st.shared.u32 [%0], %1;" ::"r"(at), "r"(qf[2 * s + half]) : "memory");
+      }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> the mma
+    __syncthreads();
+  } else {
+#pragma unroll
+    for (int u = 0; u < NT; ++u) load_query_pairs<F>(p, vs, req, v0 + kVecsPerTile * u + g, c, q.pairs[u]);
+  }
 }
+
+#if CP_WGMMA
+// D (64 tokens x 32 vectors, f32) = A (64 x 16: each warp's 16 tokens from registers, laid out
+// as mma.m16n8k16's A) x B (16 x 32 from shared memory, `desc`); D is accumulated when `acc`.
+template <bool kBf16, int kAcc>
+CP_DEVICE void wgmma_m64n32k16(float (&d)[16], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                               uint64_t desc) {
+#define CP_WGMMA_OPERANDS                                                                        \
+  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),          \
+    "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),      \
+    "+f"(d[14]), "+f"(d[15])                                                                     \
+  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "n"(kAcc)
+  if constexpr (kBf16)
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,"
+        "%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, %21, 1, 1, 0;" CP_WGMMA_OPERANDS);
+  else
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,"
+        "%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, %21, 1, 1, 0;" CP_WGMMA_OPERANDS);
+#undef CP_WGMMA_OPERANDS
+}
+
+// A no-swizzle K-major shared-memory operand: start address, leading (K: the two 8-slot halves,
+// 128 bytes apart) and stride (N: 8-vector groups, 256 bytes apart) offsets in 16-byte units.
+CP_DEVICE uint64_t wgmma_desc(uint32_t addr) {
+  return (uint64_t)((addr >> 4) & 0x3fffu) | (uint64_t)(128 >> 4) << 16 | (uint64_t)(256 >> 4) << 32;
+}
+#endif
 
 template <bool kBf16>
 CP_DEVICE void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -319,26 +388,46 @@ CP_DEVICE void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, ui
 // Slots {2c, 2c+1, 2c+8, 2c+9} of k-step s hold this lane's values {4s .. 4s+3}: the same
 // permutation on both operands leaves the dot product unchanged. The keys (A) are reused by
 // every n-tile.
-template <int F, int NT>
-CP_DEVICE void tile_dot(const uint32_t (&k0)[16], const uint32_t (&k1)[16], const QueryFrag<NT>& q,
-                        const float*, int, float (&acc)[NT][4]) {
+template <int F, int NT, bool W>
+CP_DEVICE void tile_dot(const uint32_t (&k0)[16], const uint32_t (&k1)[16],
+                        const QueryFrag<NT, W>& q, const float*, int, float (&acc)[NT][4]) {
+#if CP_WGMMA
+  if constexpr (W) {  // the CTA's four warps together: 64 tokens (16 each) x 32 vectors
+    constexpr bool kBf16 = Fmt<F>::kBf16;
+    float d[16];
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+    wgmma_m64n32k16<kBf16, 0>(d, k0[0], k1[0], k0[1], k1[1], wgmma_desc(q.smem));
 #pragma unroll
-  for (int u = 0; u < NT; ++u) {
-    acc[u][0] = acc[u][1] = acc[u][2] = acc[u][3] = 0.f;
+    for (int s = 1; s < 8; ++s)
+      wgmma_m64n32k16<kBf16, 1>(d, k0[2 * s], k1[2 * s], k0[2 * s + 1], k1[2 * s + 1],
+                                wgmma_desc(q.smem + s * 1024));
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #pragma unroll
-    for (int s = 0; s < 8; ++s)
-      mma16816<Fmt<F>::kBf16>(acc[u], k0[2 * s], k1[2 * s], k0[2 * s + 1], k1[2 * s + 1],
-                              q.pairs[u][2 * s], q.pairs[u][2 * s + 1]);
+    for (int u = 0; u < NT; ++u)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[u][e] = d[4 * u + e];
+  } else
+#endif
+  {
+#pragma unroll
+    for (int u = 0; u < NT; ++u) {
+      acc[u][0] = acc[u][1] = acc[u][2] = acc[u][3] = 0.f;
+#pragma unroll
+      for (int s = 0; s < 8; ++s)
+        mma16816<Fmt<F>::kBf16>(acc[u], k0[2 * s], k1[2 * s], k0[2 * s + 1], k1[2 * s + 1],
+                                q.pairs[u][2 * s], q.pairs[u][2 * s + 1]);
+    }
   }
 }
 #else
-template <int NT>
+template <int NT, bool W>
 struct QueryFrag {};
 
 // Portable path: each warp keeps the pass's 8 query vectors in shared memory as fp32.
-template <int F, int NT>
+template <int F, int NT, bool W>
 CP_DEVICE void prepare_query(const ScoreParams& p, const Vecs& vs, int req, int v0, int g, int c,
-                             QueryFrag<NT>&, float* q_smem) {
+                             QueryFrag<NT, W>&, float* q_smem) {
   cp_syncwarp();  // the previous item's values may still be in use
   if (g < kVecsPerTile) {
     uint32_t pairs[16];
@@ -353,8 +442,8 @@ CP_DEVICE void prepare_query(const ScoreParams& p, const Vecs& vs, int req, int 
   cp_syncwarp();
 }
 
-template <int F, int NT>
-CP_DEVICE void tile_dot(const uint32_t (&k0)[16], const uint32_t (&k1)[16], const QueryFrag<NT>&,
+template <int F, int NT, bool W>
+CP_DEVICE void tile_dot(const uint32_t (&k0)[16], const uint32_t (&k1)[16], const QueryFrag<NT, W>&,
                         const float* q_smem, int c, float (&acc)[NT][4]) {
   static_assert(NT == 1, "the portable path scores 8 vectors per pass");
   float part[2][kVecsPerTile];
@@ -478,9 +567,9 @@ CP_DEVICE void init_max(float (&m)[NT][4]) {
   for (int u = 0; u < NT; ++u) m[u][0] = m[u][1] = m[u][2] = m[u][3] = ninf;
 }
 
-template <int F, int NT>
+template <int F, int NT, bool W>
 CP_DEVICE void score_page(const ScoreParams& p, const uint8_t* page, const uint8_t* scale_page,
-                          int limit, bool full, const Cuts<NT>& cuts, const QueryFrag<NT>& q,
+                          int limit, bool full, const Cuts<NT>& cuts, const QueryFrag<NT, W>& q,
                           const float* q_smem, const uint4* lut, const uint2* lut8, int g, int c,
                           float (&val)[NT][2]) {
   // The scalar dot keeps 16 partial sums live: no room to batch loads there. More query tiles
@@ -504,7 +593,7 @@ CP_DEVICE void score_page(const ScoreParams& p, const uint8_t* page, const uint8
       unpack<F, kNvfp4Cvt<NT>>(regs[b], 0, lut, lut8, k0);
       unpack<F, kNvfp4Cvt<NT>>(regs[b], 1, lut, lut8, k1);
       float acc[NT][4];
-      tile_dot<F, NT>(k0, k1, q, q_smem, c, acc);
+      tile_dot<F, NT, W>(k0, k1, q, q_smem, c, acc);
       keep_max<NT>(m, acc, (t0 + b) * kTileTokens + g, limit, full, cuts);
     }
   }
@@ -531,9 +620,9 @@ constexpr int kTileBytes = kTileTokens * Fmt<F>::kTokenBytes;
 template <int F>
 constexpr int kStages = Fmt<F>::kRing ? CP_SMEM_RING / kTileBytes<F> : 0;
 
-template <int F, int NT, typename PageOf, typename Done>
+template <int F, int NT, bool W, typename PageOf, typename Done>
 CP_DEVICE void score_pages_smem(const ScoreParams& p, int m, PageOf page_of, const Cuts<NT>& cuts,
-                                const QueryFrag<NT>& q, int g, int c, uint8_t* ring, Done done) {
+                                const QueryFrag<NT, W>& q, int g, int c, uint8_t* ring, Done done) {
   constexpr int S = kStages<F>, kRow = Fmt<F>::kTokenBytes, kChunks = kRow / 16;
   // A page's tiles fill whole turns of the ring, so tile t of any page sits in slot t % S.
   static_assert(S >= 2 && kTilesPerPage % S == 0, "the ring must divide a page");
@@ -586,7 +675,7 @@ CP_DEVICE void score_pages_smem(const ScoreParams& p, int m, PageOf page_of, con
       }
       cp_syncwarp();  // slot t % S is read before a later tile refills it
       float acc[NT][4];
-      tile_dot<F, NT>(k0, k1, q, nullptr, c, acc);
+      tile_dot<F, NT, W>(k0, k1, q, nullptr, c, acc);
       keep_max<NT>(mx, acc, t * kTileTokens + g, cur.limit, cur.full, cuts);
     }
     float val[NT][2];
@@ -796,12 +885,13 @@ CP_DEVICE void write_scores(const ScoreParams& p, const Vecs& vs, int i, int j, 
 // scheduling freedom. The tile count per pass sets how much each warp must hold.
 // 0 leaves ptxas its own choice for four query tiles (255 registers, 2 CTAs): a 3-CTA target
 // (CP_NT4_CTAS=3) spills a little and trades small batches for large ones (docs/BENCHMARKS.md).
-template <int F, int NT>
-constexpr int kMinCtas = NT == 4 ? CP_NT4_CTAS : NT == 2 ? (F == kBF16 ? 0 : 4) : F == kFP8 ? 5 : 4;
+template <int F, int NT, bool W>
+constexpr int kMinCtas = W ? (CP_WG_CTAS ? CP_WG_CTAS : F == kBF16 ? 3 : 4) : NT == 4 ? CP_NT4_CTAS : NT == 2 ? (F == kBF16 ? 0 : 4)
+                         : F == kFP8 ? 5 : 4;
 #if defined(CP_MIN_CTAS) && !defined(CP_HIP)  // measurement: one cap for every instance
 #define CP_BOUNDS __launch_bounds__(kThreads, CP_MIN_CTAS)
 #elif CP_USE_MMA  // the tensor-core instances; the portable path keeps ptxas's choice
-#define CP_BOUNDS __launch_bounds__(kThreads, (kMinCtas<F, NT>))
+#define CP_BOUNDS __launch_bounds__(kThreads, (kMinCtas<F, NT, W>))
 #else
 #define CP_BOUNDS __launch_bounds__(kThreads)
 #endif
@@ -814,9 +904,11 @@ constexpr int kGroupMax = Fmt<F>::kRing && NT < 4 ? 1 : CP_GROUP_MAX;
 
 // ---- the kernel ---------------------------------------------------------------------------------
 // NT: query n-tiles per pass (tensor cores; 1 on the portable path). A request with more than
-// 8 * NT vectors takes several passes over a page; the later passes find it in L2.
-template <int F, int NT>
+// 8 * NT vectors takes several passes over a page; the later passes find it in L2. W: the
+// warpgroup-mma instance (CP_WGMMA builds, NT = 4), whose unit of work is the CTA.
+template <int F, int NT, bool W>
 __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) {
+  static_assert(!W || (CP_WGMMA && NT == 4), "the warpgroup mma takes four query tiles, sm_90a");
   const int lane = threadIdx.x % CP_WARP, warp = threadIdx.x / CP_WARP;
   const int g = lane >> 2, c = lane & 3;
   const bool push = ps.calls != nullptr;
@@ -833,8 +925,12 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
 #endif
   __shared__ uint4 lut[kFp4<F> ? 256 : 1];
   __shared__ uint2 lut8[kFp4<F> && kNvfp4Cvt<NT> > 0 ? 256 : 1];
-  __shared__ float stash_all[kWarpsPerCta][CP_GROUP_MAX][kVecsPerTile * NT];
-  float(&stash)[CP_GROUP_MAX][kVecsPerTile * NT] = stash_all[warp];
+  // A group's maxima until it is written: per warp, or per CTA where the warps share a group.
+  __shared__ float stash_all[kWarpsPerCta * CP_GROUP_MAX][kVecsPerTile * NT];
+  float(*stash)[kVecsPerTile * NT] = stash_all + (W ? 0 : warp * CP_GROUP_MAX);
+#if CP_USE_MMA
+  __shared__ __align__(128) uint8_t q_b[W ? 8 * 1024 : 16];  // B operand (warpgroup mma)
+#endif
   __shared__ int cta_failed;
   __shared__ int is_last;
   uint64_t call = 0;
@@ -906,25 +1002,36 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
     // keeps the busiest warp's page count at its minimum (a larger group must not leave the
     // last round to a few warps). Several passes re-read each page from L2 right away, so they
     // keep groups of one block.
-    const int64_t warps = (int64_t)gridDim.x * kWarpsPerCta;
+    // Warpgroup-mma instances deal groups to CTAs instead: the four warps score the group's
+    // pages four at a time (page r of the group on warp r % 4), so the cost of a group of gs
+    // pages is ceil(gs / 4) page times.
+    constexpr int kSpan = W ? kWarpsPerCta : 1;  // warps that share a group
+    const int64_t units = W ? (int64_t)gridDim.x : (int64_t)gridDim.x * kWarpsPerCta;
     int group = 1;
-    if (vs.count <= per_pass) {
+    if (vs.count <= per_pass || W) {
+      const int most = vs.count <= per_pass ? kSpan * kGroupMax<F, NT> : kSpan;
       int64_t best = -1;
-      for (int gs = 1; gs <= kGroupMax<F, NT>; ++gs) {
-        const int64_t rounds = ((int64_t)p.requests * ((kw + gs - 1) / gs) + warps - 1) / warps;
-        if (best < 0 || rounds * gs <= best) best = rounds * gs, group = gs;
+      for (int gs = 1; gs <= most; ++gs) {
+        const int64_t rounds = ((int64_t)p.requests * ((kw + gs - 1) / gs) + units - 1) / units;
+        const int64_t cost = rounds * ((gs + kSpan - 1) / kSpan);
+        if (best < 0 || cost <= best) best = cost, group = gs;
       }
     }
     const int per_req = (kw + group - 1) / group;
     const int64_t groups = (int64_t)p.requests * per_req;
-    QueryFrag<NT> q;
+    QueryFrag<NT, W> q;
+#if CP_USE_MMA
+    if constexpr (W) q.smem = cp_smem_addr(q_b);
+#endif
     int cur_req = -1, cur_v0 = -1;
-    for (int64_t gi = (int64_t)blockIdx.x * kWarpsPerCta + warp; gi < groups; gi += warps) {
+    const int64_t first = W ? (int64_t)blockIdx.x : (int64_t)blockIdx.x * kWarpsPerCta + warp;
+    for (int64_t gi = first; gi < groups; gi += units) {
       const int i = (int)(gi / per_req), k0 = (int)(gi - (int64_t)i * per_req) * group;
       const int count = kw - k0 < group ? kw - k0 : group;
       const int len = p.seq_lens[i];
       const int n = len > 0 ? (len + kPageTokens - 1) / kPageTokens : 0;  // the last row's blocks
-      if (k0 == 0 && lane == 0) {  // checked once per request
+      const bool reporter = !W || warp == 0;  // warps sharing a group report once
+      if (k0 == 0 && lane == 0 && reporter) {  // checked once per request
         if (len < p.query_len) report(p, kErrLength, (uint32_t)i, call, (uint64_t)(int64_t)len);
         else if (n > p.width || n > p.bt_cols) report(p, kErrWidth, (uint32_t)i, call, (uint64_t)n);
       }
@@ -939,7 +1046,7 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
         if (read) {
           const int64_t pg = j < p.bt_cols ? p.block_table[(int64_t)i * p.bt_row_stride + j] : -1;
           if (pg < 0 || pg >= p.num_pages) {  // past max_blocks (reported above) or bad page
-            report(p, kErrBadPage, (uint32_t)i, call, (uint64_t)j);
+            if (reporter) report(p, kErrBadPage, (uint32_t)i, call, (uint64_t)j);
             read = false, bad = true;
           } else {
             page = (int)pg;
@@ -952,7 +1059,14 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
           if (lane == reads) mine = l;
           ++reads;
         }
-      auto page_of = [&](int r) {
+      // This warp's pages: every read page, or (warps sharing a group) reads r = warp + 4x. The
+      // warpgroup mma needs all four warps in step, so each streams the same number of pages; a
+      // warp short of pages streams page 0 of the cache and keeps nothing of it.
+      const int streamed = W ? (reads + kSpan - 1) / kSpan : reads;
+      auto read_index = [&](int x) { return W ? warp + kSpan * x : x; };
+      auto page_of = [&](int x) {
+        const int r = read_index(x);
+        if (W && r >= reads) return PageRef{p.kv, p.ks, 0, false};
         const int l = cp_shfl_int(mine, r), pg = cp_shfl_int(page, l);
         const int limit = len - (p.rank + (k0 + l) * p.world) * kPageTokens;
         return PageRef{p.kv + pg * p.kv_page_stride, kFp4<F> ? p.ks + pg * p.ks_page_stride : nullptr,
@@ -967,12 +1081,14 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
             cuts.cut[u][e] = p.query_len - 1 - (v0 + kVecsPerTile * u + 2 * c + e) / vs.heads;
         if (reads > 0) {
           if (i != cur_req || v0 != cur_v0) {
-            prepare_query<F, NT>(p, vs, i, v0, g, c, q, q_smem);
+            prepare_query<F, NT, W>(p, vs, i, v0, g, c, q, q_smem);
             cur_req = i, cur_v0 = v0;
           }
           // Maxima wait in shared memory until the group is scored: writing them from inside
           // the stream would keep every row's output address live across it.
-          auto done = [&](int r, const float (&val)[NT][2]) {
+          auto done = [&](int x, const float (&val)[NT][2]) {
+            const int r = read_index(x);
+            if (W && r >= reads) return;
             const int l = cp_shfl_int(mine, r);
             if (g == 0)
 #pragma unroll
@@ -982,21 +1098,22 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
           };
 #if CP_SMEM_ON
           if constexpr (kStages<F> > 0) {
-            score_pages_smem<F, NT>(p, reads, page_of, cuts, q, g, c, ring, done);
+            score_pages_smem<F, NT, W>(p, streamed, page_of, cuts, q, g, c, ring, done);
           } else
 #endif
           {
-            for (int r = 0; r < reads; ++r) {
-              const PageRef pr = page_of(r);
+            for (int x = 0; x < streamed; ++x) {
+              const PageRef pr = page_of(x);
               float val[NT][2];
-              score_page<F, NT>(p, pr.kv, pr.ks, pr.limit, pr.full, cuts, q, q_smem, lut, lut8, g,
+              score_page<F, NT, W>(p, pr.kv, pr.ks, pr.limit, pr.full, cuts, q, q_smem, lut, lut8, g,
                               c, val);
-              done(r, val);
+              done(x, val);
             }
           }
           cp_syncwarp();
         }
-        for (int l = 0; l < count; ++l) {  // every item of the group, read or not
+        if constexpr (W) __syncthreads();  // every warp's maxima are in the stash
+        for (int l = W ? warp : 0; l < count; l += kSpan) {  // every item, read or not
           const bool rd = cp_shfl_int(read, l), bd = cp_shfl_int(bad, l);
           float val[NT][2];
 #pragma unroll
@@ -1005,7 +1122,8 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
             for (int e = 0; e < 2; ++e) val[u][e] = rd ? stash[l][kVecsPerTile * u + 2 * c + e] : 0.f;
           write_scores<NT>(p, vs, i, p.rank + (k0 + l) * p.world, k0 + l, len, v0, cuts, bd, val, g, c);
         }
-        cp_syncwarp();  // the stash is refilled by the next pass or group
+        if constexpr (W) __syncthreads();  // the stash is refilled by the next pass or group
+        else cp_syncwarp();
       }
     }
   }
@@ -1068,32 +1186,42 @@ int query_tiles(int vectors) {
 #endif
 }
 
-template <int F, int NT>
+template <int F, int NT, bool W>
 int launch_nt(const ScoreParams& p, const PushState* push, int grid, void* stream) {
   const PushState none = {};
-  score_kernel<F, NT><<<grid, kThreads, 0, (cp_stream_t)stream>>>(p, push ? *push : none);
+  score_kernel<F, NT, W><<<grid, kThreads, 0, (cp_stream_t)stream>>>(p, push ? *push : none);
   return (int)cp_get_last_error();
 }
 
 template <int F>
-int launch_format(const ScoreParams& p, const PushState* push, int grid, void* stream) {
+int launch_format(const ScoreParams& p, const PushState* push, bool wgmma, int grid, void* stream) {
   switch (query_tiles(p.query_len * p.num_heads)) {
-    case 1: return launch_nt<F, 1>(p, push, grid, stream);
+    case 1: return launch_nt<F, 1, false>(p, push, grid, stream);
 #if CP_USE_MMA
-    case 2: return launch_nt<F, 2>(p, push, grid, stream);
-    case 4: return launch_nt<F, 4>(p, push, grid, stream);
+    case 2: return launch_nt<F, 2, false>(p, push, grid, stream);
+#if CP_WGMMA
+    case 4: return wgmma ? launch_nt<F, 4, true>(p, push, grid, stream)
+                         : launch_nt<F, 4, false>(p, push, grid, stream);
+#else
+    case 4: return (void)wgmma, launch_nt<F, 4, false>(p, push, grid, stream);
+#endif
 #endif
     default: return -1;
   }
 }
 
 template <int F>
-int occupancy_format(int vectors, int* ctas) {
+int occupancy_format(int vectors, bool wgmma, int* ctas) {
   switch (query_tiles(vectors)) {
-    case 1: return (int)cp_occupancy(ctas, score_kernel<F, 1>, kThreads, 0);
+    case 1: return (int)cp_occupancy(ctas, score_kernel<F, 1, false>, kThreads, 0);
 #if CP_USE_MMA
-    case 2: return (int)cp_occupancy(ctas, score_kernel<F, 2>, kThreads, 0);
-    case 4: return (int)cp_occupancy(ctas, score_kernel<F, 4>, kThreads, 0);
+    case 2: return (int)cp_occupancy(ctas, score_kernel<F, 2, false>, kThreads, 0);
+#if CP_WGMMA
+    case 4: return wgmma ? (int)cp_occupancy(ctas, score_kernel<F, 4, true>, kThreads, 0)
+                         : (int)cp_occupancy(ctas, score_kernel<F, 4, false>, kThreads, 0);
+#else
+    case 4: return (void)wgmma, (int)cp_occupancy(ctas, score_kernel<F, 4, false>, kThreads, 0);
+#endif
 #endif
     default: return -1;
   }
@@ -1101,24 +1229,27 @@ int occupancy_format(int vectors, int* ctas) {
 
 }  // namespace
 
-int launch_score(const ScoreParams& p, const PushState* push, int format, int grid, void* stream) {
+int launch_score(const ScoreParams& p, const PushState* push, int format, bool wgmma, int grid,
+                 void* stream) {
   switch (format) {
-    case kBF16: return launch_format<kBF16>(p, push, grid, stream);
-    case kFP8: return launch_format<kFP8>(p, push, grid, stream);
-    case kNVFP4: return launch_format<kNVFP4>(p, push, grid, stream);
-    case kNVFP4Narrow: return launch_format<kNVFP4Narrow>(p, push, grid, stream);
+    case kBF16: return launch_format<kBF16>(p, push, wgmma, grid, stream);
+    case kFP8: return launch_format<kFP8>(p, push, wgmma, grid, stream);
+    case kNVFP4: return launch_format<kNVFP4>(p, push, wgmma, grid, stream);
+    case kNVFP4Narrow: return launch_format<kNVFP4Narrow>(p, push, wgmma, grid, stream);
     default: return -1;
   }
 }
 
-int score_occupancy(int format, int vectors, int* ctas_per_sm) {
+int score_occupancy(int format, int vectors, bool wgmma, int* ctas_per_sm) {
   switch (format) {
-    case kBF16: return occupancy_format<kBF16>(vectors, ctas_per_sm);
-    case kFP8: return occupancy_format<kFP8>(vectors, ctas_per_sm);
-    case kNVFP4: return occupancy_format<kNVFP4>(vectors, ctas_per_sm);
-    case kNVFP4Narrow: return occupancy_format<kNVFP4Narrow>(vectors, ctas_per_sm);
+    case kBF16: return occupancy_format<kBF16>(vectors, wgmma, ctas_per_sm);
+    case kFP8: return occupancy_format<kFP8>(vectors, wgmma, ctas_per_sm);
+    case kNVFP4: return occupancy_format<kNVFP4>(vectors, wgmma, ctas_per_sm);
+    case kNVFP4Narrow: return occupancy_format<kNVFP4Narrow>(vectors, wgmma, ctas_per_sm);
     default: return -1;
   }
 }
+
+bool score_has_wgmma(int vectors) { return CP_WGMMA && query_tiles(vectors) == 4; }
 
 }  // namespace cpindex
