@@ -101,26 +101,6 @@ def test_warpgroup_instance_matches_reference(fmt, case, monkeypatch):
     assert_scores(got, expected(prob, init, local))
 
 
-def test_warpgroup_instance_graph_replay_lengths_changed_in_place(monkeypatch):
-    force_warpgroup_mma(monkeypatch)
-    requests, t, max_len = 7, 8, 6000
-    base = testing.make_problem(requests, max_len, "nvfp4", query_len=t, seed=5, device="cuda")
-    q, bt, sl = base.q.clone(), base.block_table.clone(), base.seq_lens.clone()
-    cache = base.index_cache
-    ops.block_scores(q, cache, bt, sl, width=base.width, query_len=t, init_blocks=1)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = ops.block_scores(q, cache, bt, sl, width=base.width, query_len=t, init_blocks=1)
-    gen = torch.Generator().manual_seed(4)
-    for _ in range(4):
-        sl.copy_(testing.random_lengths(requests, max_len, gen, min_len=t).cuda())
-        out.fill_(float("nan"))
-        g.replay()
-        want = testing.Problem(q, cache, bt, sl, base.width, "nvfp4", t)
-        assert_scores(out, expected(want, 1, 1))
-
-
 def test_multi_token_short_request_is_reported():
     prob = testing.make_problem(3, 2000, "fp8", query_len=4, seed=8, device="cuda")
     prob.seq_lens[1] = 3  # shorter than its 4 query tokens
@@ -280,24 +260,33 @@ def test_graph_capture_replays_with_new_inputs():
         assert_scores(out, expected(want, 0, 1))
 
 
-def test_graph_capture_multi_token_lengths_changed_in_place():
-    """T fixed at capture; lengths (some rows' cuts inside a block) and tables change."""
-    requests, t, max_len = 5, 4, 3000
-    base = testing.make_problem(requests, max_len, "fp8", query_len=t, seed=2, device="cuda")
+@pytest.mark.parametrize(
+    ("fmt", "requests", "t", "max_len", "init", "wg"),
+    [("fp8", 5, 4, 3000, 0, False), ("nvfp4", 7, 8, 6000, 1, True)],
+)
+def test_graph_capture_multi_token_lengths_changed_in_place(
+    fmt, requests, t, max_len, init, wg, monkeypatch
+):
+    """T fixed at capture; lengths (some rows' cuts inside a block) and tables change. wg: the
+    warpgroup-mma instance, forced whatever the batch size."""
+    if wg:
+        force_warpgroup_mma(monkeypatch)
+    base = testing.make_problem(requests, max_len, fmt, query_len=t, seed=2, device="cuda")
     q, bt, sl = base.q.clone(), base.block_table.clone(), base.seq_lens.clone()
     cache = base.index_cache
-    ops.block_scores(q, cache, bt, sl, width=base.width, query_len=t)
+    kw = dict(width=base.width, query_len=t, init_blocks=init)
+    ops.block_scores(q, cache, bt, sl, **kw)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out = ops.block_scores(q, cache, bt, sl, width=base.width, query_len=t)
+        out = ops.block_scores(q, cache, bt, sl, **kw)
     gen = torch.Generator().manual_seed(9)
     for _ in range(4):
         sl.copy_(testing.random_lengths(requests, max_len, gen, min_len=t).cuda())
         out.fill_(float("nan"))
         g.replay()
-        want = testing.Problem(q, cache, bt, sl, base.width, "fp8", t)
-        assert_scores(out, expected(want, 0, 1))
+        want = testing.Problem(q, cache, bt, sl, base.width, fmt, t)
+        assert_scores(out, expected(want, init, 1))
 
 
 def test_torch_compile_traces_the_op():

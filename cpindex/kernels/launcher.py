@@ -149,6 +149,7 @@ class KernelScorer:
         self._sms = torch.cuda.get_device_properties(device).multi_processor_count
         self._ranks_per_device = ranks_per_device
         self._capacity: dict[tuple[int, int, bool], int] = {}
+        self._has_wgmma: dict[int, bool] = {}  # per T * H: the build has a warpgroup instance
 
     def grid(
         self, requests: int, width: int, push: bool, query_len: int = 1, fmt_id: int | None = None
@@ -159,10 +160,10 @@ class KernelScorer:
         fid = self.fmt_id if fmt_id is None else fmt_id
         vectors = query_len * self.num_heads
         items = requests * -(-width // self.world)
-        wgmma = (
-            self.mod.has_wgmma(vectors)
-            and items * self._ranks_per_device >= WGMMA_MIN_ITEMS_PER_SM * self._sms
-        )
+        has = self._has_wgmma.get(vectors)
+        if has is None:
+            has = self._has_wgmma[vectors] = self.mod.has_wgmma(vectors)
+        wgmma = has and items * self._ranks_per_device >= WGMMA_MIN_ITEMS_PER_SM * self._sms
         cap = self._capacity.get((fid, vectors, wgmma))
         if cap is None:  # the kernel instance depends on the load width and on T * H
             per_sm = self.mod.occupancy(fid, vectors, wgmma)
