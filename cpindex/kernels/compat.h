@@ -239,6 +239,16 @@ CP_DEVICE uint32_t cp_e4m3x2_to_f16x2(uint32_t two_bytes) {
   asm("{.reg .b16 t; cvt.u16.u32 t, %1; cvt.rn.f16x2.e4m3x2 %0, t;}" : "=r"(d) : "r"(two_bytes));
   return d;
 }
+// Four e4m3 bytes -> two f16x2 (bytes 0-1, bytes 2-3). The halves go to the conversion as they
+// are (no mask or shift to isolate them first: ptxas reads a register's high half directly).
+CP_DEVICE void cp_e4m3x4_to_f16x2x2(uint32_t four_bytes, uint32_t& lo, uint32_t& hi) {
+  asm("{.reg .b16 a, b;\n\t"
+      "mov.b32 {a, b}, %2;\n\t"
+      "cvt.rn.f16x2.e4m3x2 %0, a;\n\t"
+      "cvt.rn.f16x2.e4m3x2 %1, b;}"
+      : "=r"(lo), "=r"(hi)
+      : "r"(four_bytes));
+}
 #else
 // Portable: put the 7 magnitude bits of e4m3 into f16's exponent/mantissa at bits 7..13. That is
 // the same number times 2^-8 for normals and subnormals alike (both formats' subnormal steps line
@@ -247,6 +257,10 @@ CP_DEVICE uint32_t cp_e4m3x2_to_f16x2(uint32_t two_bytes) {
 CP_DEVICE uint32_t cp_e4m3x2_to_f16x2(uint32_t two_bytes) {
   const uint32_t x = (two_bytes & 0xffu) | ((two_bytes & 0xff00u) << 8);
   return cp_hmul2(((x & 0x00800080u) << 8) | ((x & 0x007f007fu) << 7), 0x5c005c00u);
+}
+CP_DEVICE void cp_e4m3x4_to_f16x2x2(uint32_t four_bytes, uint32_t& lo, uint32_t& hi) {
+  lo = cp_e4m3x2_to_f16x2(four_bytes & 0xffffu);
+  hi = cp_e4m3x2_to_f16x2(four_bytes >> 16);
 }
 #endif
 

@@ -36,6 +36,9 @@
 #ifndef CP_NVFP4_CVT4  // the same for four query tiles
 #define CP_NVFP4_CVT4 0
 #endif
+#ifndef CP_NVFP4_CVT_WG  // the same for the warpgroup-mma instances
+#define CP_NVFP4_CVT_WG 0
+#endif
 #ifndef CP_GROUP_MAX  // consecutive blocks of one request a warp takes as one group (1: one each)
 #define CP_GROUP_MAX 8
 #endif
@@ -195,12 +198,15 @@ CP_DEVICE uint32_t word(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? 
 
 // nvfp4 words per token and lane that go through the e4m3 table and the conversion unit (the
 // rest through the f16 byte table and the integer pipe); conversions need sm_89+. Two of four
-// measured fastest with one or two query tiles; four tiles (more mma work per word) keep the
-// integer pipe only (docs/BENCHMARKS.md).
-template <int NT>
-constexpr int kNvfp4Cvt = CP_NATIVE_FP8 ? (NT == 4 ? CP_NVFP4_CVT4 : CP_NVFP4_CVT) : 0;
-static_assert(CP_NVFP4_CVT >= 0 && CP_NVFP4_CVT <= 4 && CP_NVFP4_CVT4 >= 0 && CP_NVFP4_CVT4 <= 4,
-              "CP_NVFP4_CVT and CP_NVFP4_CVT4 must be 0..4");
+// measured fastest with one or two query tiles and with the warpgroup mma; the mma.sync instance
+// of four tiles (more mma work per word on the same warp) keeps the integer pipe only
+// (docs/BENCHMARKS.md).
+template <int NT, bool W>
+constexpr int kNvfp4Cvt =
+    CP_NATIVE_FP8 ? (W ? CP_NVFP4_CVT_WG : NT == 4 ? CP_NVFP4_CVT4 : CP_NVFP4_CVT) : 0;
+static_assert(CP_NVFP4_CVT >= 0 && CP_NVFP4_CVT <= 4 && CP_NVFP4_CVT4 >= 0 && CP_NVFP4_CVT4 <= 4 &&
+                  CP_NVFP4_CVT_WG >= 0 && CP_NVFP4_CVT_WG <= 4,
+              "CP_NVFP4_CVT, CP_NVFP4_CVT4 and CP_NVFP4_CVT_WG must be 0..4");
 
 // Token s of a loaded tile as 16 packed pairs (bf16x2 for bf16, f16x2 otherwise). For nvfp4,
 // lut and lut8 are the CTA's tables: entry s of lut holds the f16 high and low bytes of the 8
@@ -220,8 +226,7 @@ CP_DEVICE void unpack(const TileRegs<F>& t, int s, const uint4* lut, const uint2
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const uint32_t w = word(t.raw[s][l], i);
-        k[8 * l + 2 * i] = cp_e4m3x2_to_f16x2(w & 0xffffu);
-        k[8 * l + 2 * i + 1] = cp_e4m3x2_to_f16x2(w >> 16);
+        cp_e4m3x4_to_f16x2x2(w, k[8 * l + 2 * i], k[8 * l + 2 * i + 1]);
       }
   } else {
     const uint32_t s0 = t.scales[s] & 0xffu, s1 = t.scales[s] >> 8;
@@ -590,8 +595,8 @@ CP_DEVICE void score_page(const ScoreParams& p, const uint8_t* page, const uint8
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       uint32_t k0[16], k1[16];
-      unpack<F, kNvfp4Cvt<NT>>(regs[b], 0, lut, lut8, k0);
-      unpack<F, kNvfp4Cvt<NT>>(regs[b], 1, lut, lut8, k1);
+      unpack<F, kNvfp4Cvt<NT, W>>(regs[b], 0, lut, lut8, k0);
+      unpack<F, kNvfp4Cvt<NT, W>>(regs[b], 1, lut, lut8, k1);
       float acc[NT][4];
       tile_dot<F, NT, W>(k0, k1, q, q_smem, c, acc);
       keep_max<NT>(m, acc, (t0 + b) * kTileTokens + g, limit, full, cuts);
@@ -668,8 +673,7 @@ CP_DEVICE void score_pages_smem(const ScoreParams& p, int m, PageOf page_of, con
 #pragma unroll
           for (int w = 0; w < 4; ++w) {  // x[w]: tokens 0-7 (k0) or 8-15 (k1), chunk 2u + w / 2
             uint32_t(&k)[16] = (w & 1) ? k1 : k0;
-            k[4 * u + 2 * (w >> 1)] = cp_e4m3x2_to_f16x2(x[w] & 0xffffu);
-            k[4 * u + 2 * (w >> 1) + 1] = cp_e4m3x2_to_f16x2(x[w] >> 16);
+            cp_e4m3x4_to_f16x2x2(x[w], k[4 * u + 2 * (w >> 1)], k[4 * u + 2 * (w >> 1) + 1]);
           }
         }
       }
@@ -851,33 +855,35 @@ CP_DEVICE bool grid_barrier(const ScoreParams& p, const PushState& ps, uint64_t 
   return ok != 0;
 }
 
-// Item (request i, block j) of one pass: lanes 0..3 hold vectors (2c, 2c + 1) of every n-tile
-// and write each row's value with its own causal length and the contract's forcing order. col is
-// j (full layout) or the rank's shard column k.
-template <int NT>
-CP_DEVICE void write_scores(const ScoreParams& p, const Vecs& vs, int i, int j, int k, int len,
-                            int v0, const Cuts<NT>& cuts, bool bad, const float (&val)[NT][2],
-                            int g, int c) {
-  if (g != 0) return;
+// What one lane writes of each item of a pass: vector v's head, output row and causal cut
+// (computed once per pass, not per item).
+struct VecOut {
+  bool on;  // a vector of this pass
+  int h, row, cut;
+};
+
+CP_DEVICE VecOut vec_out(const Vecs& vs, int req, int v, bool on) {
+  const int t = v / vs.heads;
+  return {on && v < vs.count, v - t * vs.heads, req * vs.query_len + t, vs.query_len - 1 - t};
+}
+
+// Item (request, block j) of one pass, one vector per lane: the lane's row's value with the row's
+// own causal length and the contract's forcing order. col is j (full layout) or the rank's shard
+// column k.
+CP_DEVICE void write_score(const ScoreParams& p, const VecOut& o, int j, int k, int len, bool bad,
+                           float val) {
+  if (!o.on) return;
   const int col = p.shard_columns ? k : j;
-#pragma unroll
-  for (int u = 0; u < NT; ++u)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int v = v0 + kVecsPerTile * u + 2 * c + e;
-      if (v >= vs.count) continue;
-      const int h = v % vs.heads, row = i * p.query_len + v / vs.heads;
-      const int len_row = len - cuts.cut[u][e];
-      const int n_row = len_row > 0 ? (len_row + kPageTokens - 1) / kPageTokens : 0;
-      float out;
-      if (bad) out = __builtin_nanf("");
-      else if (j >= n_row) out = -__builtin_huge_valf();
-      else if (j >= n_row - p.local_blocks) out = kForcedLocal;
-      else if (j < p.init_blocks) out = kForcedInit;
-      else out = val[u][e];
-      for (int cp = 0; cp < p.dst_copies; ++cp)
-        p.dst[h * p.dst_copies + cp][(int64_t)row * p.out_row_stride + col] = out;
-    }
+  const int len_row = len - o.cut;
+  const int n_row = len_row > 0 ? (len_row + kPageTokens - 1) / kPageTokens : 0;
+  float out;
+  if (bad) out = __builtin_nanf("");
+  else if (j >= n_row) out = -__builtin_huge_valf();
+  else if (j >= n_row - p.local_blocks) out = kForcedLocal;
+  else if (j < p.init_blocks) out = kForcedInit;
+  else out = val;
+  for (int cp = 0; cp < p.dst_copies; ++cp)
+    p.dst[o.h * p.dst_copies + cp][(int64_t)o.row * p.out_row_stride + col] = out;
 }
 
 // CTAs per SM the register allocation must leave room for (CUDA): ptxas otherwise spends
@@ -886,7 +892,7 @@ CP_DEVICE void write_scores(const ScoreParams& p, const Vecs& vs, int i, int j, 
 // 0 leaves ptxas its own choice for four query tiles (255 registers, 2 CTAs): a 3-CTA target
 // (CP_NT4_CTAS=3) spills a little and trades small batches for large ones (docs/BENCHMARKS.md).
 template <int F, int NT, bool W>
-constexpr int kMinCtas = W ? (CP_WG_CTAS ? CP_WG_CTAS : F == kBF16 ? 3 : 4) : NT == 4 ? CP_NT4_CTAS : NT == 2 ? (F == kBF16 ? 0 : 4)
+constexpr int kMinCtas = W ? (CP_WG_CTAS ? CP_WG_CTAS : F == kBF16 ? 3 : 4) : NT == 4 ? CP_NT4_CTAS : NT == 2 ? (F == kBF16 ? 3 : 4)
                          : F == kFP8 ? 5 : 4;
 #if defined(CP_MIN_CTAS) && !defined(CP_HIP)  // measurement: one cap for every instance
 #define CP_BOUNDS __launch_bounds__(kThreads, CP_MIN_CTAS)
@@ -924,7 +930,7 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   uint8_t* ring = ring_all[warp];
 #endif
   __shared__ uint4 lut[kFp4<F> ? 256 : 1];
-  __shared__ uint2 lut8[kFp4<F> && kNvfp4Cvt<NT> > 0 ? 256 : 1];
+  __shared__ uint2 lut8[kFp4<F> && kNvfp4Cvt<NT, W> > 0 ? 256 : 1];
   // A group's maxima until it is written: per warp, or per CTA where the warps share a group.
   __shared__ float stash_all[kWarpsPerCta * CP_GROUP_MAX][kVecsPerTile * NT];
   float(*stash)[kVecsPerTile * NT] = stash_all + (W ? 0 : warp * CP_GROUP_MAX);
@@ -955,7 +961,7 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   if constexpr (kFp4<F>) {  // 4 KiB of f16 bytes, then 2 KiB of e4m3 bytes
     for (int i = threadIdx.x; i < 256; i += kThreads) {
       lut[i] = reinterpret_cast<const uint4*>(p.fp4_lut)[i];
-      if constexpr (kNvfp4Cvt<NT> > 0) lut8[i] = reinterpret_cast<const uint2*>(p.fp4_lut + 4096)[i];
+      if constexpr (kNvfp4Cvt<NT, W> > 0) lut8[i] = reinterpret_cast<const uint2*>(p.fp4_lut + 4096)[i];
     }
   }
   if (threadIdx.x == 0) cta_failed = 0;
@@ -1113,14 +1119,16 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
           cp_syncwarp();
         }
         if constexpr (W) __syncthreads();  // every warp's maxima are in the stash
-        for (int l = W ? warp : 0; l < count; l += kSpan) {  // every item, read or not
-          const bool rd = cp_shfl_int(read, l), bd = cp_shfl_int(bad, l);
-          float val[NT][2];
-#pragma unroll
-          for (int u = 0; u < NT; ++u)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) val[u][e] = rd ? stash[l][kVecsPerTile * u + 2 * c + e] : 0.f;
-          write_scores<NT>(p, vs, i, p.rank + (k0 + l) * p.world, k0 + l, len, v0, cuts, bd, val, g, c);
+        // Every item, read or not: lane x of slice y writes pass vector x of the y-th item of
+        // each round (a slice per item: all of a warp's lanes store at once).
+        constexpr int kSlices = CP_WARP / (kVecsPerTile * NT);
+        const int xv = lane % per_pass, slice = lane / per_pass;
+        const VecOut o = vec_out(vs, i, v0 + xv, slice < kSlices);
+        for (int l0 = W ? warp : 0; l0 < count; l0 += kSpan * kSlices) {
+          const int l = l0 + kSpan * slice, src = l < count ? l : 0;
+          const bool rd = cp_shfl_int(read, src), bd = cp_shfl_int(bad, src);
+          if (l < count)
+            write_score(p, o, p.rank + (k0 + l) * p.world, k0 + l, len, bd, rd ? stash[l][xv] : 0.f);
         }
         if constexpr (W) __syncthreads();  // the stash is refilled by the next pass or group
         else cp_syncwarp();
