@@ -892,8 +892,10 @@ CP_DEVICE void write_score(const ScoreParams& p, const VecOut& o, int j, int k, 
 // 0 leaves ptxas its own choice for four query tiles (255 registers, 2 CTAs): a 3-CTA target
 // (CP_NT4_CTAS=3) spills a little and trades small batches for large ones (docs/BENCHMARKS.md).
 template <int F, int NT, bool W>
-constexpr int kMinCtas = W ? (CP_WG_CTAS ? CP_WG_CTAS : F == kBF16 ? 3 : 4) : NT == 4 ? CP_NT4_CTAS : NT == 2 ? (F == kBF16 ? 3 : 4)
-                         : F == kFP8 ? 5 : 4;
+constexpr int kMinCtas = W         ? (CP_WG_CTAS ? CP_WG_CTAS : F == kBF16 ? 3 : 4)
+                         : NT == 4 ? CP_NT4_CTAS
+                         : NT == 2 ? (F == kBF16 ? 3 : 4)
+                                   : (F == kFP8 ? 5 : 4);
 #if defined(CP_MIN_CTAS) && !defined(CP_HIP)  // measurement: one cap for every instance
 #define CP_BOUNDS __launch_bounds__(kThreads, CP_MIN_CTAS)
 #elif CP_USE_MMA  // the tensor-core instances; the portable path keeps ptxas's choice
@@ -1127,8 +1129,10 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
         for (int l0 = W ? warp : 0; l0 < count; l0 += kSpan * kSlices) {
           const int l = l0 + kSpan * slice, src = l < count ? l : 0;
           const bool rd = cp_shfl_int(read, src), bd = cp_shfl_int(bad, src);
-          if (l < count)
-            write_score(p, o, p.rank + (k0 + l) * p.world, k0 + l, len, bd, rd ? stash[l][xv] : 0.f);
+          if (l < count) {
+            const float val = rd ? stash[l][xv] : 0.f;
+            write_score(p, o, p.rank + (k0 + l) * p.world, k0 + l, len, bd, val);
+          }
         }
         if constexpr (W) __syncthreads();  // the stash is refilled by the next pass or group
         else cp_syncwarp();
