@@ -318,6 +318,19 @@ CP_DEVICE void cp_e2m1x8_lut_e4m3_f16x2x4(uint32_t w, uint2 e8, uint32_t (&out)[
 }
 #endif
 
+// 2 bytes (a token's pair of nvfp4 scales), read once, no reuse. Explicitly global: a generic
+// load may alias the shared memory the warpgroup mma reads, and ptxas then keeps it behind each
+// tile's mma instead of issuing it with the batch's other loads.
+CP_DEVICE uint32_t cp_load_stream2(const void* p) {
+#if defined(CP_HIP)
+  return __builtin_nontemporal_load(reinterpret_cast<const uint16_t*>(p));
+#else
+  uint16_t v;
+  asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(v) : "l"(p));
+  return v;
+#endif
+}
+
 // 8 bytes, read once, no reuse (nvfp4 tokens whose stride is not a multiple of 16, e.g. vLLM's
 // 72-byte layout, are only 8-byte aligned).
 CP_DEVICE uint2 cp_load_stream8(const void* p) {

@@ -30,6 +30,9 @@
 #ifndef CP_NVFP4_BATCH  // nvfp4 tiles loaded before their math, for one query tile
 #define CP_NVFP4_BATCH 8
 #endif
+#ifndef CP_NVFP4_BATCH_WG  // the same for the warpgroup-mma instance
+#define CP_NVFP4_BATCH_WG 4
+#endif
 #ifndef CP_NVFP4_CVT  // nvfp4, 1 or 2 query tiles: words of a lane's 4 per token widened by cvt (0-4)
 #define CP_NVFP4_CVT 2
 #endif
@@ -37,7 +40,7 @@
 #define CP_NVFP4_CVT4 0
 #endif
 #ifndef CP_NVFP4_CVT_WG  // the same for the warpgroup-mma instances
-#define CP_NVFP4_CVT_WG 0
+#define CP_NVFP4_CVT_WG 2
 #endif
 #ifndef CP_GROUP_MAX  // consecutive blocks of one request a warp takes as one group (1: one each)
 #define CP_GROUP_MAX 8
@@ -184,7 +187,7 @@ CP_DEVICE void load_tile(const ScoreParams& p, TileRegs<F>& t, const uint8_t* pa
         const uint2 a = cp_load_stream8(src), b = cp_load_stream8(src + 8);
         t.raw[s][0] = make_uint4(a.x, a.y, b.x, b.y);
       }
-      t.scales[s] = *reinterpret_cast<const uint16_t*>(scale_page + tok * p.ks_token_stride + 2 * c);
+      t.scales[s] = cp_load_stream2(scale_page + tok * p.ks_token_stride + 2 * c);
     } else {
       const uint8_t* row = page + tok * Fmt<F>::kTokenBytes;
 #pragma unroll
@@ -537,9 +540,18 @@ struct Cuts {
 
 // acc holds tokens tok and tok + kGroups; a token at or past its row's causal length never
 // counts. limit = tokens of this page the request's last row sees; full: every row sees all 128.
-template <int NT>
+// kBranch: test `full` once (it is warp-uniform) instead of folding it into every value's
+// compare; measured faster for the warpgroup instance's register path only (docs/kernel.md).
+template <int NT, bool kBranch>
 CP_DEVICE void keep_max(float (&m)[NT][4], const float (&acc)[NT][4], int tok, int limit,
                         bool full, const Cuts<NT>& cuts) {
+  if (kBranch && full) {
+#pragma unroll
+    for (int u = 0; u < NT; ++u)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) m[u][e] = fmaxf(m[u][e], acc[u][e]);
+    return;
+  }
 #pragma unroll
   for (int u = 0; u < NT; ++u)
 #pragma unroll
@@ -579,7 +591,11 @@ CP_DEVICE void score_page(const ScoreParams& p, const uint8_t* page, const uint8
                           float (&val)[NT][2]) {
   // The scalar dot keeps 16 partial sums live: no room to batch loads there. More query tiles
   // hold more registers, so fewer tiles are loaded ahead.
-  constexpr int kWant = CP_USE_MMA ? (Fmt<F>::kBatch / NT > 0 ? Fmt<F>::kBatch / NT : 1) : 1;
+  // The warpgroup instance keeps its queries in shared memory: nvfp4 loads more ahead there.
+  constexpr int kWant = !CP_USE_MMA             ? 1
+                        : W && kFp4<F>          ? CP_NVFP4_BATCH_WG
+                        : Fmt<F>::kBatch / NT > 0 ? Fmt<F>::kBatch / NT
+                                                : 1;
   constexpr int kBatch = kWant < kTilesPerPage ? kWant : kTilesPerPage;
   float m[NT][4];
   init_max(m);
@@ -599,7 +615,7 @@ CP_DEVICE void score_page(const ScoreParams& p, const uint8_t* page, const uint8
       unpack<F, kNvfp4Cvt<NT, W>>(regs[b], 1, lut, lut8, k1);
       float acc[NT][4];
       tile_dot<F, NT, W>(k0, k1, q, q_smem, c, acc);
-      keep_max<NT>(m, acc, (t0 + b) * kTileTokens + g, limit, full, cuts);
+      keep_max<NT, W>(m, acc, (t0 + b) * kTileTokens + g, limit, full, cuts);
     }
   }
   finish_page<NT>(p, m, val);
@@ -680,7 +696,7 @@ CP_DEVICE void score_pages_smem(const ScoreParams& p, int m, PageOf page_of, con
       cp_syncwarp();  // slot t % S is read before a later tile refills it
       float acc[NT][4];
       tile_dot<F, NT, W>(k0, k1, q, nullptr, c, acc);
-      keep_max<NT>(mx, acc, t * kTileTokens + g, cur.limit, cur.full, cuts);
+      keep_max<NT, false>(mx, acc, t * kTileTokens + g, cur.limit, cur.full, cuts);
     }
     float val[NT][2];
     finish_page<NT>(p, mx, val);
