@@ -1,0 +1,207 @@
+"""What ptxas made of each kernel instance, without a GPU: registers, spills and the page loop.
+
+    python benchmarks/sass_report.py                                  # the shipped sm_90a build
+    python benchmarks/sass_report.py shipped= wg8=CP_NVFP4_BATCH_WG=8 # variants side by side
+    python benchmarks/sass_report.py --order --only nvfp4 shipped=    # where the loads sit
+
+Each ``name=DEFINES`` (space-separated ``MACRO=VALUE`` list, may be empty) compiles
+``cpindex/kernels/score.hip`` for sm_90a with ``CP_WGMMA=1`` (what an H100/H200 builds), like
+``.ci/compile-kernels``. Per instance (format, query tiles ``NT``, warpgroup mma ``W``) it prints
+registers, spill bytes and the page loop: the innermost loop around all of the instance's mma
+instructions, with its instruction count, local-memory (spill) loads, generic loads and the most
+frequent opcodes. ``--order`` adds the loop's global loads (``L``) and mma instructions (``M``)
+in program order, which shows how far ahead of its math ptxas issued a tile's loads. Between
+variants, ``same`` marks instances whose SASS is identical to the first variant's: the check
+that a build timed with switches is the build that ships.
+
+Needs ``nvcc`` and ``cuobjdump`` (on PATH, next to nvcc, or ``$CUOBJDUMP``; PyPI's
+``nvidia-cuda-cuobjdump`` wheel carries it). Static counts, not timings: docs/BENCHMARKS.md
+holds what was measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE = ROOT / "cpindex" / "kernels" / "score.hip"
+FORMATS = {0: "bf16", 1: "fp8", 2: "nvfp4", 3: "nvfp4-vllm"}  # launch.h: CacheFormat
+INSTANCE = re.compile(r"score_kernelILi(\d)ELi(\d)ELb([01])E")
+SASS_LINE = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+
+
+@dataclass
+class Instance:
+    """One compiled ``score_kernel<F, NT, W>``."""
+
+    fmt: str
+    nt: int
+    wgmma: bool
+    registers: int = 0
+    spill_stores: int = 0
+    spill_loads: int = 0
+    sass_digest: str = ""
+    loop: list[str] = field(default_factory=list)  # page-loop opcodes in program order
+
+    @property
+    def key(self) -> tuple[str, int, bool]:
+        return self.fmt, self.nt, self.wgmma
+
+    def label(self) -> str:
+        return f"{self.fmt} NT={self.nt}{' wg' if self.wgmma else ''}"
+
+
+def _tool(name: str, nvcc: str) -> str:
+    env = os.environ.get(name.upper())
+    for cand in (env, shutil.which(name), str(Path(nvcc).resolve().parent / name)):
+        if cand and Path(cand).is_file():
+            return cand
+    sys.exit(
+        f"{name} not found: put it on PATH or set ${name.upper()} "
+        f"(pip download --no-deps nvidia-cuda-{name} and unzip the wheel)"
+    )
+
+
+def _compile(defines: str, out: Path, nvcc: str) -> str:
+    flags = [f"-D{d}" for d in defines.split()]
+    cmd = [nvcc, "-x", "cu", "-gencode", "arch=compute_90a,code=sm_90a", "-DCP_WGMMA=1", "-O3",
+           "-std=c++17", *flags, "-c", "-o", str(out), str(SOURCE), "-Xptxas", "-v"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"nvcc failed for defines {defines!r}:\n{proc.stderr[-3000:]}")
+    return proc.stderr
+
+
+def _resources(ptxas_log: str) -> dict[tuple[str, int, bool], tuple[int, int, int]]:
+    """(registers, spill stores, spill loads) per instance, from ``-Xptxas -v``."""
+    res: dict[tuple[str, int, bool], tuple[int, int, int]] = {}
+    current = None
+    stores = loads = 0
+    for line in ptxas_log.splitlines():
+        if "Function properties for" in line:
+            m = INSTANCE.search(line)
+            current = (FORMATS[int(m[1])], int(m[2]), m[3] == "1") if m else None
+        elif current and "spill stores" in line:
+            stores, loads = (int(x) for x in re.findall(r"(\d+) bytes spill", line))
+        elif current and "Used" in line and "registers" in line:
+            res[current] = (int(re.search(r"Used (\d+) registers", line)[1]), stores, loads)
+            current = None
+    return res
+
+
+def _page_loop(body: list[tuple[int, str, str]]) -> list[str]:
+    """Opcodes of the innermost loop (a backward branch) that contains every mma instruction."""
+    mma = [addr for addr, op, _ in body if "MMA" in op]
+    if not mma:
+        return []
+    best = None
+    for addr, op, args in body:
+        target = re.search(r"0x([0-9a-f]+)", args) if op.startswith("BRA") else None
+        if target and int(target[1], 16) <= mma[0] and addr >= mma[-1]:
+            span = (int(target[1], 16), addr)
+            if best is None or span[1] - span[0] < best[1] - best[0]:
+                best = span
+    if best is None:
+        return []
+    return [op for addr, op, _ in body if best[0] <= addr <= best[1]]
+
+
+def build(defines: str, nvcc: str, cuobjdump: str, tmp: Path) -> dict[tuple, Instance]:
+    """Compile one variant and describe its instances."""
+    obj = tmp / f"v{hashlib.md5(defines.encode()).hexdigest()[:8]}.o"
+    res = _resources(_compile(defines, obj, nvcc))
+    sass = subprocess.run(
+        [cuobjdump, "-sass", str(obj)], capture_output=True, text=True, check=True
+    )
+    out: dict[tuple, Instance] = {}
+    for chunk in re.split(r"\n\s*Function : ", sass.stdout)[1:]:
+        m = INSTANCE.search(chunk.split("\n", 1)[0])
+        if not m:
+            continue
+        inst = Instance(FORMATS[int(m[1])], int(m[2]), m[3] == "1")
+        body = [(int(x[1], 16), x[2], x[3]) for x in map(SASS_LINE.match, chunk.split("\n")) if x]
+        text = "\n".join(f"{op}{args}" for _, op, args in body)
+        inst.sass_digest = hashlib.md5(text.encode()).hexdigest()
+        inst.registers, inst.spill_stores, inst.spill_loads = res.get(inst.key, (0, 0, 0))
+        inst.loop = _page_loop(body)
+        out[inst.key] = inst
+    return out
+
+
+def _mix(loop: list[str], top: int) -> str:
+    counts = collections.Counter(op.split(".")[0] for op in loop)
+    return ", ".join(f"{op} {n}" for op, n in counts.most_common(top))
+
+
+def _order(loop: list[str]) -> str:
+    return "".join("L" if op.startswith("LDG") else "M" if "MMA" in op else "" for op in loop)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "variants", nargs="*", default=["shipped="], help="name=DEFINES (default: shipped=)"
+    )
+    ap.add_argument("--only", default="", help="comma list of formats to show (default: all)")
+    ap.add_argument(
+        "--order", action="store_true", help="print each page loop's loads and mma in order"
+    )
+    ap.add_argument(
+        "--top", type=int, default=10, help="opcodes listed per page loop (default: 10)"
+    )
+    args = ap.parse_args()
+    variants: dict[str, str] = {}
+    for v in args.variants:
+        name, sep, defines = v.partition("=")
+        if not sep or not name.isidentifier():
+            ap.error(f"{v!r}: expected NAME=DEFINES, e.g. 'wg8=CP_NVFP4_BATCH_WG=8'")
+        variants[name] = defines
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    if not Path(nvcc).is_file():
+        sys.exit("nvcc not found")
+    cuobjdump = _tool("cuobjdump", nvcc)
+    only = set(filter(None, args.only.split(",")))
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor() as pool:  # nvcc in parallel
+        jobs = {n: pool.submit(build, d, nvcc, cuobjdump, Path(tmp)) for n, d in variants.items()}
+        built = {n: job.result() for n, job in jobs.items()}
+    first = next(iter(built.values()))
+    for key in sorted(first, key=lambda k: (list(FORMATS.values()).index(k[0]), k[1], k[2])):
+        if only and key[0] not in only:
+            continue
+        print(f"== {first[key].label()}")
+        for name, insts in built.items():
+            inst = insts.get(key)
+            if inst is None:
+                print(f"  {name:>12}: not built")
+                continue
+            same = (
+                " same"
+                if name != next(iter(built)) and inst.sass_digest == first[key].sass_digest
+                else ""
+            )
+            loop = inst.loop
+            ldl = sum(op.startswith("LDL") for op in loop)
+            generic = sum(bool(re.match(r"^LD(\.|$)", op)) for op in loop)
+            spills = f"{inst.spill_stores}/{inst.spill_loads} B"
+            print(
+                f"  {name:>12}: {inst.registers} regs, spills {spills} | page loop {len(loop)}"
+                f" instrs, LDL {ldl}, generic LD {generic}{same}"
+            )
+            print(f"  {'':>12}  {_mix(loop, args.top)}")
+            if args.order:
+                print(f"  {'':>12}  {_order(loop)}")
+
+
+if __name__ == "__main__":
+    main()
