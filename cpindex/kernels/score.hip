@@ -597,6 +597,8 @@ CP_DEVICE void score_page(const ScoreParams& p, const uint8_t* page, const uint8
                         : Fmt<F>::kBatch / NT > 0 ? Fmt<F>::kBatch / NT
                                                 : 1;
   constexpr int kBatch = kWant < kTilesPerPage ? kWant : kTilesPerPage;
+  static_assert(kTilesPerPage % kBatch == 0, "a load batch must divide a page (tiles past it "
+                                             "are the next page's tokens)");
   float m[NT][4];
   init_max(m);
 #if CP_USE_MMA
