@@ -94,7 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="collective,ipc",
         help="comma list of transports to compare (on a CPU machine only collective runs)",
     )
-    b.add_argument("--world", type=int, default=4, help="number of ranks W")
+    b.add_argument(
+        "--world",
+        type=int,
+        default=None,
+        help="number of ranks W; --kernel with W > 1: the kernel and the Triton scorer score "
+        "rank 0's share, as one GPU of W does per call (default: 4; --kernel: 1, every block)",
+    )
     b.add_argument(
         "--formats",
         type=_names([*FORMATS, "nvfp4-vllm"]),

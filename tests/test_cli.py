@@ -64,7 +64,7 @@ def test_every_option_has_help_and_a_default_shown():
     res = _cpindex("bench", "--help", timeout=60)
     assert res.returncode == 0, res.stderr
     text = " ".join(res.stdout.split())
-    for shown in ("(default: collective,ipc)", "(default: 4)", "(default: nvfp4)",
+    for shown in ("(default: collective,ipc)", "(default: 4; --kernel: 1", "(default: nvfp4)",
                   "(default: True)", "cpindex[bench]"):  # fmt: skip
         assert shown in text, shown
 

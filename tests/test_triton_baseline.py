@@ -41,6 +41,14 @@ CASES = [
     (4, [257, 1000], 1, 1, 8, 8),
 ]
 
+# Context-parallel shares (heads, seq_lens, init, local, width, query_len, world, rank): a rank's
+# blocks rank, rank + world, ... of each row, forced blocks and the width's last column included.
+SHARE_CASES = [
+    (4, [130, 4, 700], 0, 1, 6, 4, 4, 0),
+    (4, [1000, 257], 1, 1, 9, 8, 4, 3),
+    (2, [600, 50, 385], 2, 1, 7, 1, 2, 1),
+]
+
 
 def oracle(q, cache, block_table, seq_lens, init_blocks, local_blocks, width, sm_scale, t=1):
     rows, heads, _ = q.shape
@@ -98,6 +106,16 @@ def check_cases(device: str) -> None:
         )  # fmt: skip
         assert ret is out
         torch.testing.assert_close(out.cpu(), want, rtol=1e-3, atol=1e-3)
+
+    for heads, seq_lens, init_b, local_b, width, t, world, rank in SHARE_CASES:
+        q, cache, bt, sl = _make_case(heads, seq_lens, width, device, gen, t)
+        got = triton_block_scores(
+            q, cache, bt, sl, init_blocks=init_b, local_blocks=local_b, width=width,
+            sm_scale=sm_scale, query_len=t, world=world, rank=rank,
+        )  # fmt: skip
+        want = oracle(q, cache, bt, sl, init_b, local_b, width, sm_scale, t)[:, :, rank::world]
+        assert got.shape == want.shape
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.gpu

@@ -22,6 +22,7 @@ from .. import formats, ops, partition, reference, testing  # noqa: F401  (ops: 
 from ..api import IndexCP
 from ..config import CPIndexConfig
 from ..world import Comm, TorchComm, run_threads, spawn_processes
+from . import kernel_sweep
 from .timing import (
     copy_bandwidth_gbs,
     summarize,
@@ -204,30 +205,12 @@ def _time_selection(rec, t, cp, iq, args, kw, spec, device, comm) -> None:
 def _share_fn(prob: testing.Problem, comm: Comm, device: torch.device):
     w = comm.world_size
     if device.type == "cuda":
-        from ..kernels.launcher import ErrorMonitor, KernelScorer
-
-        sc = KernelScorer(
-            device,
-            prob.fmt,
-            num_heads=4,
-            rank=0,
-            world=w,
-            sm_scale=128**-0.5,
-            monitor=ErrorMonitor(device, 0),
-        )
+        share = kernel_sweep.share_scorer(device, prob.fmt, w)
         shard = torch.empty(4, prob.rows, partition.shard_width(prob.width, w), device=device)
-        return lambda i: sc.score_local(
-            prob.q,
-            prob.index_cache,
-            prob.block_table,
-            prob.seq_lens,
-            shard,
-            init_blocks=0,
-            local_blocks=1,
-            width=prob.width,
-            query_len=prob.query_len,
-            shard=True,
-        )
+        return lambda i: share(
+            prob.q, prob.index_cache, prob.block_table, prob.seq_lens, shard, prob.width,
+            prob.query_len,
+        )  # fmt: skip
     cols = partition.owned_columns(0, w, prob.width)
     return lambda i: reference.block_scores(
         prob.q,

@@ -66,6 +66,7 @@ def main(args: argparse.Namespace) -> dict:
             args.context or [8 * K, 32 * K, 128 * K, 512 * K],
             args.iters or 20,
             args.query_len,
+            1 if args.world is None else args.world,
         )
         print(f"device-to-device copy: {res['copy_gbs']:.0f} GB/s (read + write)")
         print(kernel_sweep.table(res))
@@ -80,7 +81,7 @@ def main(args: argparse.Namespace) -> dict:
                 print(f"CPU machine: skipping {', '.join(skipped)} (they need GPUs)")
         spec = ab.Spec(
             transports=transports,
-            world=args.world,
+            world=4 if args.world is None else args.world,
             formats=fmts,
             rows=args.rows or ([1, 8, 32] if gpu else [1, 8]),
             contexts=args.context or ([8 * K, 32 * K, 128 * K] if gpu else [2 * K, 8 * K]),

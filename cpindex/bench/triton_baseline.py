@@ -42,6 +42,8 @@ if triton is not None:
         stride_btr,
         stride_oh,
         stride_or,
+        world,
+        rank,
         T: tl.constexpr,
         INIT_BLOCKS: tl.constexpr,
         LOCAL_BLOCKS: tl.constexpr,
@@ -50,8 +52,9 @@ if triton is not None:
         D: tl.constexpr,
         UPCAST: tl.constexpr,
     ):
-        j = tl.program_id(0)  # block column
+        j = tl.program_id(0)  # output column: block b = rank + j * world of the request
         req = tl.program_id(1)  # request: its T query rows share the page, read once
+        b = rank + j * world
 
         offs_v = tl.arange(0, VP)  # query vector v = t * H + h
         offs_t = tl.arange(0, BLOCK_T)
@@ -67,8 +70,8 @@ if triton is not None:
         n_v = (len_v + BLOCK_T - 1) // BLOCK_T
 
         val = tl.full([VP], float("-inf"), tl.float32)
-        if (j >= INIT_BLOCKS) & (j < n_last - LOCAL_BLOCKS):
-            page = tl.load(bt_ptr + req.to(tl.int64) * stride_btr + j).to(tl.int64)
+        if (b >= INIT_BLOCKS) & (b < n_last - LOCAL_BLOCKS):
+            page = tl.load(bt_ptr + req.to(tl.int64) * stride_btr + b).to(tl.int64)
             k_ptrs = cache_ptr + page * stride_cp + offs_t[:, None] * D + offs_d[None, :]
             k = tl.load(k_ptrs)  # [BLOCK_T, D] bf16, token-major page
             q_ptrs = (
@@ -82,12 +85,12 @@ if triton is not None:
                 q = q.to(tl.float32)
                 k = k.to(tl.float32)
             s = tl.dot(q, tl.trans(k))  # [VP, BLOCK_T] fp32 accumulation
-            tok_ok = (j * BLOCK_T + offs_t)[None, :] < len_v[:, None]
+            tok_ok = (b * BLOCK_T + offs_t)[None, :] < len_v[:, None]
             s = tl.where(tok_ok, s * sm_scale, float("-inf"))
             val = tl.max(s, axis=1)
-        val = tl.where(j < INIT_BLOCKS, 1e30, val)
-        val = tl.where(j >= n_v - LOCAL_BLOCKS, 1e29, val)
-        val = tl.where(j >= n_v, float("-inf"), val)
+        val = tl.where(b < INIT_BLOCKS, 1e30, val)
+        val = tl.where(b >= n_v - LOCAL_BLOCKS, 1e29, val)
+        val = tl.where(b >= n_v, float("-inf"), val)
 
         out_ptrs = out_ptr + head.to(tl.int64) * stride_oh + row.to(tl.int64) * stride_or + j
         tl.store(out_ptrs, val, mask=v_ok)
@@ -110,8 +113,13 @@ def triton_block_scores(
     sm_scale: float,
     out: torch.Tensor | None = None,
     query_len: int = 1,
+    world: int = 1,
+    rank: int = 0,
 ) -> torch.Tensor:
-    """Score every 128-token block of every row; returns float32 ``[H, rows, width]``.
+    """Score every 128-token block of every row; returns float32 ``[H, rows, width]``. With
+    ``world > 1``, only rank ``rank``'s share of them, as a context-parallel scorer scans it:
+    blocks ``rank, rank + world, ...`` of each row into columns ``0, 1, ...`` of ``[H, rows,
+    ceil((width - rank) / world)]``.
 
     q: bf16 ``[requests * query_len, H, 128]`` (``[rows, 128]`` is taken as H = 1), request-
     major; cache: bf16 ``[pages, 128, 128]`` token-major; block_table: int32
@@ -141,6 +149,9 @@ def triton_block_scores(
         raise ValueError("block_table must be [requests, max_blocks] and seq_lens [requests]")
     if width < 1:
         raise ValueError(f"width must be >= 1, got {width}")
+    if world < 1 or not 0 <= rank < world or rank >= width:
+        raise ValueError(f"need 0 <= rank < world and rank < width, got {rank}, {world}, {width}")
+    cols = -(-(width - rank) // world)  # this rank's columns
 
     # The kernel assumes unit stride on the innermost dims; copy only when needed.
     if q.stride(-1) != 1:
@@ -152,14 +163,14 @@ def triton_block_scores(
     seq_lens = seq_lens.contiguous()
 
     if out is None:
-        out = torch.empty((heads, rows, width), dtype=torch.float32, device=q.device)
-    elif out.shape != (heads, rows, width) or out.dtype != torch.float32 or out.stride(-1) != 1:
-        raise ValueError(f"out must be float32 [{heads}, {rows}, {width}] with unit last stride")
+        out = torch.empty((heads, rows, cols), dtype=torch.float32, device=q.device)
+    elif out.shape != (heads, rows, cols) or out.dtype != torch.float32 or out.stride(-1) != 1:
+        raise ValueError(f"out must be float32 [{heads}, {rows}, {cols}] with unit last stride")
     if rows == 0:
         return out
 
     vp = max(16, triton.next_power_of_2(heads * query_len))  # tl.dot needs M >= 16
-    _block_scores_kernel[(width, requests)](
+    _block_scores_kernel[(cols, requests)](
         q,
         cache,
         block_table,
@@ -173,6 +184,8 @@ def triton_block_scores(
         block_table.stride(0),
         out.stride(0),
         out.stride(1),
+        int(world),
+        int(rank),
         T=int(query_len),
         INIT_BLOCKS=int(init_blocks),
         LOCAL_BLOCKS=int(local_blocks),
