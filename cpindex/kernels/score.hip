@@ -1054,11 +1054,27 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   };
 #endif
 
+  // nvfp4's tables (4 KiB of f16 bytes, then 2 KiB of e4m3 bytes) are loaded before the error
+  // word is checked, so that the two round trips overlap: at small batches they are a good part
+  // of a call.
+  constexpr int kLutLoads = kFp4<F> ? (256 + kThreads - 1) / kThreads : 0;
+  uint4 lut_ld[kLutLoads > 0 ? kLutLoads : 1];
+  uint2 lut8_ld[kLutLoads > 0 ? kLutLoads : 1];
+#pragma unroll
+  for (int r = 0; r < kLutLoads; ++r) {
+    const int i = threadIdx.x + r * kThreads;
+    if (i < 256) {
+      lut_ld[r] = reinterpret_cast<const uint4*>(p.fp4_lut)[i];
+      if constexpr (kNvfp4Cvt<NT, W> > 0) lut8_ld[r] = reinterpret_cast<const uint2*>(p.fp4_lut + 4096)[i];
+    }
+  }
   if (failed(p)) return;  // an earlier call failed: the host raises; don't stall every replay
-  if constexpr (kFp4<F>) {  // 4 KiB of f16 bytes, then 2 KiB of e4m3 bytes
-    for (int i = threadIdx.x; i < 256; i += kThreads) {
-      lut[i] = reinterpret_cast<const uint4*>(p.fp4_lut)[i];
-      if constexpr (kNvfp4Cvt<NT, W> > 0) lut8[i] = reinterpret_cast<const uint2*>(p.fp4_lut + 4096)[i];
+#pragma unroll
+  for (int r = 0; r < kLutLoads; ++r) {
+    const int i = threadIdx.x + r * kThreads;
+    if (i < 256) {
+      lut[i] = lut_ld[r];
+      if constexpr (kNvfp4Cvt<NT, W> > 0) lut8[i] = lut8_ld[r];
     }
   }
   if (threadIdx.x == 0) cta_failed = 0;
@@ -1131,23 +1147,35 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
     for (int64_t gi = first; gi < groups; gi += units) {
       const int i = (int)(gi / per_req), k0 = (int)(gi - (int64_t)i * per_req) * group;
       const int count = kw - k0 < group ? kw - k0 : group;
+      // Lane l < count looks at item k0 + l, block j. Its page id, the request's length and (one
+      // pass, warps on their own) its queries are loaded before any of them is used, so their
+      // round trips overlap instead of following one another; a page id past the request's
+      // length is loaded for nothing (the table has bt_cols columns, so it is in bounds).
+      const int j = p.rank + (k0 + lane) * p.world;
+      const int64_t pg_ld =
+          lane < count && j < p.bt_cols ? p.block_table[(int64_t)i * p.bt_row_stride + j] : -1;
       const int len = p.seq_lens[i];
+      if constexpr (!W) {
+        if (vs.count <= per_pass && i != cur_req) {
+          prepare_query<F, NT, W>(p, vs, i, 0, g, c, q, q_smem);
+          cur_req = i, cur_v0 = 0;
+        }
+      }
       const int n = len > 0 ? (len + kPageTokens - 1) / kPageTokens : 0;  // the last row's blocks
       const bool reporter = !W || warp == 0;  // warps sharing a group report once
       if (k0 == 0 && lane == 0 && reporter) {  // checked once per request
         if (len < p.query_len) report(p, kErrLength, (uint32_t)i, call, (uint64_t)(int64_t)len);
         else if (n > p.width || n > p.bt_cols) report(p, kErrWidth, (uint32_t)i, call, (uint64_t)n);
       }
-      // Lane l < count looks at item k0 + l: its page is read when some row of the request scans
-      // block j (the last row sees most).
+      // Item k0 + l's page is read when some row of the request scans block j (the last row sees
+      // most).
       const bool short_len = len < p.query_len;
       bool read = false, bad = short_len;
       int page = 0;
       if (lane < count) {
-        const int j = p.rank + (k0 + lane) * p.world;
         read = !short_len && j >= p.init_blocks && j < n - p.local_blocks;
         if (read) {
-          const int64_t pg = j < p.bt_cols ? p.block_table[(int64_t)i * p.bt_row_stride + j] : -1;
+          const int64_t pg = pg_ld;
           if (pg < 0 || pg >= p.num_pages) {  // past max_blocks (reported above) or bad page
             if (reporter) report(p, kErrBadPage, (uint32_t)i, call, (uint64_t)j);
             read = false, bad = true;
