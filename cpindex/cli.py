@@ -27,17 +27,33 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def _ints(text: str) -> list[int]:
-    """``"1,8,32"`` or ``"8k,32k"`` (k = 1024) as a list of ints."""
+def _parse_ints(text: str) -> list[int]:
+    """``"1,8,32"`` or ``"8k,32k"`` (k = 1024) as ints; empty where it is not such a list."""
     try:
         return [
             int(float(x[:-1]) * 1024) if x.lower().endswith("k") else int(x)
             for x in text.split(",")
         ]
     except ValueError:
+        return []
+
+
+def _ints(text: str) -> list[int]:
+    """A comma list of integers, each at least 1 (row counts, lengths, query lengths)."""
+    values = _parse_ints(text)
+    if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(
-            f"{text!r}: expected a comma list of integers, e.g. 1,8,32 or 8k,32k"
-        ) from None
+            f"{text!r}: expected a comma list of integers >= 1, e.g. 1,8,32 or 8k,32k"
+        )
+    return values
+
+
+def _count(text: str) -> int:
+    """One integer, at least 1 (a world size, a row count, a length, repetitions)."""
+    values = _parse_ints(text)
+    if len(values) != 1 or values[0] < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected one integer >= 1")
+    return values[0]
 
 
 def _names(choices: list[str]):
@@ -69,9 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
         "scores and top-16 are checked against the single-process reference.",
         formatter_class=_Formatter,
     )
-    d.add_argument("--world", type=int, default=4, help="number of ranks W")
-    d.add_argument("--rows", type=int, default=8, help="decode rows (requests)")
-    d.add_argument("--context", type=int, default=8192, help="longest row, in tokens")
+    d.add_argument("--world", type=_count, default=4, help="number of ranks W")
+    d.add_argument("--rows", type=_count, default=8, help="decode rows (requests)")
+    d.add_argument("--context", type=_count, default=8192, help="longest row, in tokens")
     d.add_argument(
         "--format", dest="fmt", choices=FORMATS, default="nvfp4", help="index-cache format"
     )
@@ -96,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument(
         "--world",
-        type=int,
+        type=_count,
         default=None,
         help="number of ranks W; --kernel with W > 1: the kernel and the Triton scorer score "
         "rank 0's share, as one GPU of W does per call (default: 4; --kernel: 1, every block)",
@@ -151,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument(
         "--iters",
-        type=int,
+        type=_count,
         default=None,
         help="timed repetitions per shape (default: 50 on a GPU, 5 on CPU; --kernel: 20)",
     )

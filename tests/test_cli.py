@@ -106,6 +106,26 @@ def test_bad_arguments_exit_2(args):
     assert "usage: cpindex" in res.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["demo", "--world", "0"], "argument --world: '0': expected one integer >= 1"),
+        (["demo", "--rows", "-3"], "argument --rows: '-3': expected one integer >= 1"),
+        (["demo", "--context", "x"], "argument --context: 'x': expected one integer >= 1"),
+        (["bench", "--world", "2,4"], "argument --world: '2,4': expected one integer >= 1"),
+        (["bench", "--iters", "0"], "argument --iters: '0': expected one integer >= 1"),
+        (["bench", "--rows", "1,0"], "argument --rows: '1,0': expected a comma list of integers"),
+        (["bench", "--query-len", "0"], "argument --query-len: '0': expected a comma list"),
+    ],
+)
+def test_counts_below_one_are_refused_by_name(args, says):
+    """A zero or negative count is an argparse error naming the option (exit 2), before any
+    rank starts: not a silent success or a traceback from deep inside."""
+    res = _cpindex(*args, timeout=60)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert says in res.stderr, res.stderr
+
+
 def test_bench_cpu_writes_json(tmp_path):
     """`cpindex bench` on a CPU machine: collective + scoring + no-CP baseline, JSON out; the
     table printed once with its legend; no temporary file left behind or named in the JSON."""
