@@ -37,6 +37,7 @@ def main() -> None:
     ap.add_argument("--context", default="32k,128k")
     ap.add_argument("--iters", default="20")
     ap.add_argument("--query-len", default="1", help="comma list of query rows per request")
+    ap.add_argument("--world", default="1", help="W > 1: rank 0's share of W (bench --kernel)")
     ap.add_argument("variants", nargs="+", type=_variant, help="name=DEFINES")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -51,7 +52,8 @@ def main() -> None:
         path = args.out / f"kernel-{n}.json"
         cmd = [sys.executable, "-m", "cpindex", "bench", "--kernel", "--formats", args.formats,
                "--rows", args.rows, "--context", args.context, "--iters", args.iters,
-               "--query-len", args.query_len, "--out", str(path)]  # fmt: skip
+               "--query-len", args.query_len, "--world", args.world,
+               "--out", str(path)]  # fmt: skip
         print(f"== {n}: {variants[n] or '(defaults)'}", flush=True)
         subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
         results[n] = json.loads(path.read_text())
