@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from .. import partition
+
 try:  # module-level guard: the benchmark imports us even where triton is missing
     import triton
     import triton.language as tl
@@ -151,7 +153,7 @@ def triton_block_scores(
         raise ValueError(f"width must be >= 1, got {width}")
     if world < 1 or not 0 <= rank < world or rank >= width:
         raise ValueError(f"need 0 <= rank < world and rank < width, got {rank}, {world}, {width}")
-    cols = -(-(width - rank) // world)  # this rank's columns
+    cols = partition.blocks_owned(width, rank, world)  # this rank's columns
 
     # The kernel assumes unit stride on the innermost dims; copy only when needed.
     if q.stride(-1) != 1:
