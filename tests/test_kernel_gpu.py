@@ -159,6 +159,47 @@ def test_nvfp4_pair_equals_product_layout():
     assert torch.equal(a, b)
 
 
+# (format, portable build): the instances that split pages (nvfp4 on tensor cores, every format
+# on the portable path AMD runs)
+SPLITTING = [
+    ("nvfp4", False),
+    ("nvfp4-vllm", False),
+    ("bf16", True),
+    ("fp8", True),
+    ("nvfp4", True),
+]
+
+
+@pytest.mark.parametrize("fmt,portable", SPLITTING, ids=lambda v: str(v))
+@pytest.mark.parametrize("split", [True, False], ids=["split", "whole"])
+@pytest.mark.parametrize("t,heads", [(1, 4), (4, 4), (8, 4), (8, 8)], ids=lambda v: str(v))
+def test_split_and_whole_pages_match(fmt, portable, split, t, heads, monkeypatch):
+    """A call whose items all fit the grid splits each page over a CTA's four warps (a part
+    each, maxima combined in shared memory); otherwise a warp scores whole pages. Both on one
+    ragged batch: partial last blocks and causal cuts fall inside one warp's part, forcing,
+    1, 2 and 4 query tiles and two passes (T * H = 64)."""
+    monkeypatch.setattr(launcher, "SPLIT_PAGES", split)
+    prob = testing.make_problem(
+        6, 3000, fmt[:5], query_len=t, num_heads=heads, seed=40 + t + heads, device="cuda"
+    )
+    if fmt == "nvfp4-vllm":
+        prob.index_cache = formats.to_vllm_layout(prob.index_cache)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    scorer = launcher.KernelScorer(
+        dev, fmt[:5], num_heads=heads, rank=0, world=1, sm_scale=128**-0.5,
+        monitor=launcher.ErrorMonitor(dev, 0), portable=portable,
+    )  # fmt: skip
+    shape = scorer.grid(prob.requests, prob.width, False, t)
+    assert shape.split == split and not shape.wgmma, shape  # the instance under test
+    assert shape.grid == prob.requests * prob.width or not split, shape
+    out = torch.full((heads, prob.rows, prob.width), float("nan"), device="cuda")
+    scorer.score_local(
+        prob.q, prob.index_cache, prob.block_table, prob.seq_lens, out,
+        init_blocks=1, local_blocks=1, width=prob.width, query_len=t,
+    )  # fmt: skip
+    assert_scores(out, expected(prob, 1, 1))
+
+
 @pytest.mark.parametrize("heads", [1, 2, 8])
 def test_head_counts(heads):
     prob = testing.make_problem(4, 5000, "fp8", num_heads=heads, seed=heads, device="cuda")

@@ -31,7 +31,7 @@ using cpindex::ScoreParams;
 void score(const torch::Tensor& q, const torch::Tensor& kv, const c10::optional<torch::Tensor>& ks,
            const torch::Tensor& block_table, const torch::Tensor& seq_lens,
            const torch::Tensor& params_image, const c10::optional<torch::Tensor>& push_image,
-           int64_t format, bool wgmma, int64_t grid) {
+           int64_t format, bool wgmma, bool split, int64_t grid) {
   // Validation happened once, in Python (cpindex/validation.py); these are cheap invariants.
   TORCH_CHECK(params_image.numel() == (int64_t)sizeof(ScoreParams), "ScoreParams image size");
   ScoreParams p;
@@ -67,10 +67,10 @@ void score(const torch::Tensor& q, const torch::Tensor& kv, const c10::optional<
     std::memcpy(&ps, push_image->data_ptr(), sizeof ps);
     ps.q_src = static_cast<const uint8_t*>(q.data_ptr());
     ps.q_bytes = q.numel() * q.element_size();
-    rc = cpindex::launch_score(p, &ps, (int)format, wgmma, (int)grid, stream);
+    rc = cpindex::launch_score(p, &ps, (int)format, wgmma, split, (int)grid, stream);
   } else {
     p.q = static_cast<const uint8_t*>(q.data_ptr());
-    rc = cpindex::launch_score(p, nullptr, (int)format, wgmma, (int)grid, stream);
+    rc = cpindex::launch_score(p, nullptr, (int)format, wgmma, split, (int)grid, stream);
   }
   TORCH_CHECK(rc == 0, "cpindex score kernel launch failed: ",
               cudaGetErrorString(static_cast<cudaError_t>(rc)));
@@ -84,6 +84,8 @@ int64_t occupancy(int64_t format, int64_t vectors, bool wgmma) {
 }
 
 bool has_wgmma(int64_t vectors) { return cpindex::score_has_wgmma((int)vectors); }
+
+bool splits_pages(int64_t format) { return cpindex::score_splits_pages((int)format); }
 
 // Device ticks of the kernel's timeout clock per second (globaltimer ns on CUDA, the constant
 // wall clock on ROCm).
@@ -196,6 +198,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("score", &score);
   m.def("occupancy", &occupancy);
   m.def("has_wgmma", &has_wgmma);
+  m.def("splits_pages", &splits_pages);
   m.def("clock_ticks_per_second", &clock_ticks_per_second);
   m.def("peer_malloc", &peer_malloc);
   m.def("peer_free", &peer_free);

@@ -113,8 +113,9 @@ struct ScoreParams {
 // identities), score, push, signal, wait.
 // Returns 0 or a cudaError_t/hipError_t value.
 // wgmma: the warpgroup-mma instance where the build has one for this T * H (score_has_wgmma).
-int launch_score(const ScoreParams& p, const PushState* push, int format, bool wgmma, int grid,
-                 void* stream);
+// split: the split-page instance where the build has one for the format (score_splits_pages).
+int launch_score(const ScoreParams& p, const PushState* push, int format, bool wgmma, bool split,
+                 int grid, void* stream);
 
 // CTAs per SM the kernel for `vectors` = query_len * num_heads query vectors reaches (for the
 // persistent-grid cap).
@@ -122,5 +123,9 @@ int score_occupancy(int format, int vectors, bool wgmma, int* ctas_per_sm);
 
 // Whether this build has a warpgroup-mma instance (sm_90a) for `vectors` query vectors.
 bool score_has_wgmma(int vectors);
+
+// Whether this build has split-page instances for `format`: a CTA's warps share each page (the
+// launcher takes them, a CTA per item, when a call's items all fit the grid at once).
+bool score_splits_pages(int format);
 
 }  // namespace cpindex

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes as C
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -23,6 +24,12 @@ PHASES = {structs.ERR_TIMEOUT_QUERIES: "queries", structs.ERR_TIMEOUT_SCORES: "s
 # a few pages per warp, and slower on small batches, where its warps wait on each other
 # (docs/BENCHMARKS.md): it runs from this many items (request, block) per SM of a rank's share.
 WGMMA_MIN_ITEMS_PER_SM = 32
+
+# A call whose items (request, block) of the busiest rank's share all fit the resident grid at
+# once gets a CTA per item, and the CTA's four warps split the page (score.hip, kSplits: nvfp4,
+# and every format on the portable path): a small call has four times the warps decoding.
+# False keeps a warp per item (tests, A/B).
+SPLIT_PAGES = True
 
 
 def nvfp4_lut() -> torch.Tensor:
@@ -122,6 +129,14 @@ class ErrorMonitor:
         self.clear_host()
 
 
+class LaunchShape(NamedTuple):
+    """Which kernel instance a call runs and on how many CTAs."""
+
+    grid: int
+    wgmma: bool  # the warpgroup-mma instance (sm_90a, four query tiles, large calls)
+    split: bool  # the split-page instance (a CTA per item, its warps sharing the page)
+
+
 class KernelScorer:
     """Launches the fused kernel for one (format, heads, rank, world) configuration."""
 
@@ -150,13 +165,14 @@ class KernelScorer:
         self._ranks_per_device = ranks_per_device
         self._capacity: dict[tuple[int, int, bool], int] = {}
         self._has_wgmma: dict[int, bool] = {}  # per T * H: the build has a warpgroup instance
+        self._splits: dict[int, bool] = {}  # per format: the build splits pages of small calls
 
     def grid(
         self, requests: int, width: int, push: bool, query_len: int = 1, fmt_id: int | None = None
-    ) -> tuple[int, bool]:
-        """The kernel instance (True: warpgroup mma) and its persistent grid, from static sizes
-        only; push grids must all be resident at once (every CTA may wait for peers) and
-        deliver queries from CTAs 0..world-1."""
+    ) -> LaunchShape:
+        """The kernel instance and its persistent grid, from static sizes only; push grids must
+        all be resident at once (every CTA may wait for peers) and deliver queries from CTAs
+        0..world-1."""
         fid = self.fmt_id if fmt_id is None else fmt_id
         vectors = query_len * self.num_heads
         items = requests * -(-width // self.world)
@@ -169,8 +185,14 @@ class KernelScorer:
             per_sm = self.mod.occupancy(fid, vectors, wgmma)
             cap = max(1, self._sms * per_sm // self._ranks_per_device)
             self._capacity[(fid, vectors, wgmma)] = cap
-        ctas = min(-(-items // 4), cap)
-        return max(ctas, self.world if push else 1), wgmma
+        # Four warps a CTA, one item each; or, where the build has split-page instances and the
+        # items all fit at once, a CTA per item.
+        splits = self._splits.get(fid)
+        if splits is None:
+            splits = self._splits[fid] = self.mod.splits_pages(fid)
+        split = SPLIT_PAGES and splits and not wgmma and items <= cap
+        ctas = items if split else min(-(-items // 4), cap)
+        return LaunchShape(max(ctas, self.world if push else 1), wgmma, split)
 
     def params(
         self,
@@ -238,8 +260,9 @@ class KernelScorer:
         fid = self.fmt_id
         if ks is not None and kv.stride(1) % 16:  # 8-byte aligned nvfp4 tokens: its own kernel
             fid = structs.NVFP4_NARROW
-        grid, wgmma = self.grid(block_table.shape[0], width, push is not None, query_len, fid)
-        self.mod.score(q, kv, ks, block_table, seq_lens, params, push, fid, wgmma, grid)
+        requests, pushed = block_table.shape[0], push is not None
+        grid, wgmma, split = self.grid(requests, width, pushed, query_len, fid)
+        self.mod.score(q, kv, ks, block_table, seq_lens, params, push, fid, wgmma, split, grid)
 
     def score_local(
         self,

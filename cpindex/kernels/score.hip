@@ -42,6 +42,9 @@
 #ifndef CP_NVFP4_CVT_WG  // the same for the warpgroup-mma instances
 #define CP_NVFP4_CVT_WG 2
 #endif
+#ifndef CP_SPLIT_PAGES  // small calls: a CTA's warps share each page (0: one warp per page)
+#define CP_SPLIT_PAGES 1
+#endif
 #ifndef CP_GROUP_MAX  // consecutive blocks of one request a warp takes as one group (1: one each)
 #define CP_GROUP_MAX 8
 #endif
@@ -82,6 +85,8 @@ constexpr int kThreads = kWarpsPerCta * CP_WARP;
 constexpr int kGroups = CP_WARP / 4;             // lane groups of 4; group g holds tokens g, g+kGroups
 constexpr int kTileTokens = 2 * kGroups;         // tokens per tile
 constexpr int kTilesPerPage = kPageTokens / kTileTokens;
+constexpr int kSplitTiles = kTilesPerPage / kWarpsPerCta;  // a warp's tiles of a split page
+static_assert(kTilesPerPage % kWarpsPerCta == 0, "a split page gives each warp whole tiles");
 constexpr int kVecsPerTile = 8;                  // query vectors per mma n-tile (and per portable pass)
 constexpr float kForcedLocal = 1e29f;
 constexpr float kForcedInit = 1e30f;
@@ -584,11 +589,12 @@ CP_DEVICE void init_max(float (&m)[NT][4]) {
   for (int u = 0; u < NT; ++u) m[u][0] = m[u][1] = m[u][2] = m[u][3] = ninf;
 }
 
-template <int F, int NT, bool W>
+// kTiles tiles of the page from tile t_first (a whole page, or a warp's part of a split page).
+template <int F, int NT, bool W, int kTiles>
 CP_DEVICE void score_page(const ScoreParams& p, const uint8_t* page, const uint8_t* scale_page,
                           int limit, bool full, const Cuts<NT>& cuts, const QueryFrag<NT, W>& q,
                           const float* q_smem, const uint4* lut, const uint2* lut8, int g, int c,
-                          float (&val)[NT][2]) {
+                          int t_first, float (&val)[NT][2]) {
   // The scalar dot keeps 16 partial sums live: no room to batch loads there. More query tiles
   // hold more registers, so fewer tiles are loaded ahead.
   // The warpgroup instance keeps its queries in shared memory: nvfp4 loads more ahead there.
@@ -596,9 +602,9 @@ CP_DEVICE void score_page(const ScoreParams& p, const uint8_t* page, const uint8
                         : W && kFp4<F>          ? CP_NVFP4_BATCH_WG
                         : Fmt<F>::kBatch / NT > 0 ? Fmt<F>::kBatch / NT
                                                 : 1;
-  constexpr int kBatch = kWant < kTilesPerPage ? kWant : kTilesPerPage;
-  static_assert(kTilesPerPage % kBatch == 0, "a load batch must divide a page (tiles past it "
-                                             "are the next page's tokens)");
+  constexpr int kBatch = kWant < kTiles ? kWant : kTiles;
+  static_assert(kTiles % kBatch == 0, "a load batch must divide the tiles scored (tiles past "
+                                      "them are another warp's or the next page's tokens)");
   float m[NT][4];
   init_max(m);
 #if CP_USE_MMA
@@ -606,7 +612,8 @@ CP_DEVICE void score_page(const ScoreParams& p, const uint8_t* page, const uint8
 #else
 #pragma unroll 1
 #endif
-  for (int t0 = 0; t0 < kTilesPerPage; t0 += kBatch) {
+  for (int t = 0; t < kTiles; t += kBatch) {
+    const int t0 = t_first + t;
     TileRegs<F> regs[kBatch];
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) load_tile<F>(p, regs[b], page, scale_page, t0 + b, g, c);
@@ -1005,13 +1012,21 @@ constexpr int kMinCtas = W         ? (CP_WG_CTAS ? CP_WG_CTAS : F == kBF16 ? 3 :
 template <int F, int NT>
 constexpr int kGroupMax = Fmt<F>::kRing && NT < 4 ? 1 : CP_GROUP_MAX;
 
+// Whether the build has split-page instances (S below) for a format: where a page's loop is
+// bound by its math (nvfp4's decode, the portable path's scalar dots). The ring formats stream
+// whole pages: split, they measured slower (docs/BENCHMARKS.md).
+template <int F>
+constexpr bool kSplits = CP_SPLIT_PAGES && !Fmt<F>::kRing;
+
 // ---- the kernel ---------------------------------------------------------------------------------
 // NT: query n-tiles per pass (tensor cores; 1 on the portable path). A request with more than
 // 8 * NT vectors takes several passes over a page; the later passes find it in L2. W: the
-// warpgroup-mma instance (CP_WGMMA builds, NT = 4), whose unit of work is the CTA.
-template <int F, int NT, bool W>
+// warpgroup-mma instance (CP_WGMMA builds, NT = 4), whose unit of work is the CTA. S: the
+// split-page instance (kSplits formats), whose unit of work is the CTA too.
+template <int F, int NT, bool W, bool S>
 __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) {
   static_assert(!W || (CP_WGMMA && NT == 4), "the warpgroup mma takes four query tiles, sm_90a");
+  static_assert(!S || (!W && kSplits<F>), "split pages: a kSplits format, without the wgmma");
   const int lane = threadIdx.x % CP_WARP, warp = threadIdx.x / CP_WARP;
   const int g = lane >> 2, c = lane & 3;
   const bool push = ps.calls != nullptr;
@@ -1124,10 +1139,16 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
     // Warpgroup-mma instances deal groups to CTAs instead: the four warps score the group's
     // pages four at a time (page r of the group on warp r % 4), so the cost of a group of gs
     // pages is ceil(gs / 4) page times.
+    // Split pages (S; the launcher picks it when the busiest rank's items all fit the grid at
+    // once, each with a CTA): a CTA takes one item at a time and its warps score a quarter of
+    // the page each, combining their maxima through the stash. A call of few pages then has four
+    // times the warps loading and decoding instead of one warp per page. Its own instance, so
+    // that the whole-page loops keep their register allocation.
     constexpr int kSpan = W ? kWarpsPerCta : 1;  // warps that share a group
-    const int64_t units = W ? (int64_t)gridDim.x : (int64_t)gridDim.x * kWarpsPerCta;
+    constexpr bool split = S;
+    const int64_t units = W || split ? (int64_t)gridDim.x : (int64_t)gridDim.x * kWarpsPerCta;
     int group = 1;
-    if (vs.count <= per_pass || W) {
+    if (!split && (vs.count <= per_pass || W)) {
       const int most = vs.count <= per_pass ? kSpan * kGroupMax<F, NT> : kSpan;
       int64_t best = -1;
       for (int gs = 1; gs <= most; ++gs) {
@@ -1143,7 +1164,8 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
     if constexpr (W) q.smem = cp_smem_addr(q_b);
 #endif
     int cur_req = -1, cur_v0 = -1;
-    const int64_t first = W ? (int64_t)blockIdx.x : (int64_t)blockIdx.x * kWarpsPerCta + warp;
+    const int64_t first =
+        W || split ? (int64_t)blockIdx.x : (int64_t)blockIdx.x * kWarpsPerCta + warp;
     for (int64_t gi = first; gi < groups; gi += units) {
       const int i = (int)(gi / per_req), k0 = (int)(gi - (int64_t)i * per_req) * group;
       const int count = kw - k0 < group ? kw - k0 : group;
@@ -1162,7 +1184,7 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
         }
       }
       const int n = len > 0 ? (len + kPageTokens - 1) / kPageTokens : 0;  // the last row's blocks
-      const bool reporter = !W || warp == 0;  // warps sharing a group report once
+      const bool reporter = (!W && !split) || warp == 0;  // warps sharing a group report once
       if (k0 == 0 && lane == 0 && reporter) {  // checked once per request
         if (len < p.query_len) report(p, kErrLength, (uint32_t)i, call, (uint64_t)(int64_t)len);
         else if (n > p.width || n > p.bt_cols) report(p, kErrWidth, (uint32_t)i, call, (uint64_t)n);
@@ -1236,28 +1258,36 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
             for (int x = 0; x < streamed; ++x) {
               const PageRef pr = page_of(x);
               float val[NT][2];
-              score_page<F, NT, W>(p, pr.kv, pr.ks, pr.limit, pr.full, cuts, q, q_smem, lut, lut8, g,
-                              c, val);
+              if constexpr (split)
+                score_page<F, NT, W, kSplitTiles>(p, pr.kv, pr.ks, pr.limit, pr.full, cuts, q,
+                                                  q_smem, lut, lut8, g, c, warp * kSplitTiles, val);
+              else
+                score_page<F, NT, W, kTilesPerPage>(p, pr.kv, pr.ks, pr.limit, pr.full, cuts, q,
+                                                    q_smem, lut, lut8, g, c, 0, val);
               done(x, val);
             }
           }
           cp_syncwarp();
         }
-        if constexpr (W) __syncthreads();  // every warp's maxima are in the stash
+        if constexpr (W || split) __syncthreads();  // every warp's maxima are in the stash
         // Every item, read or not: lane x of slice y writes pass vector x of the y-th item of
         // each round (a slice per item: all of a warp's lanes store at once).
         constexpr int kSlices = CP_WARP / (kVecsPerTile * NT);
         const int xv = lane % per_pass, slice = lane / per_pass;
         const VecOut o = vec_out(vs, i, v0 + xv, slice < kSlices);
-        for (int l0 = W ? warp : 0; l0 < count; l0 += kSpan * kSlices) {
+        const bool writer = !split || warp == 0;  // a split page's item is written once
+        for (int l0 = W ? warp : 0; writer && l0 < count; l0 += kSpan * kSlices) {
           const int l = l0 + kSpan * slice, src = l < count ? l : 0;
           const bool rd = cp_shfl_int(read, src), bd = cp_shfl_int(bad, src);
           if (l < count) {
-            const float val = rd ? stash[l][xv] : 0.f;
+            float val = rd ? stash[l][xv] : 0.f;
+            if (split && rd)  // the other warps' parts (warp w's stash: CP_GROUP_MAX rows on)
+              for (int w = 1; w < kWarpsPerCta; ++w)
+                val = fmaxf(val, stash[w * CP_GROUP_MAX + l][xv]);
             write_score(p, o, p.rank + (k0 + l) * p.world, k0 + l, len, bd, val);
           }
         }
-        if constexpr (W) __syncthreads();  // the stash is refilled by the next pass or group
+        if constexpr (W || split) __syncthreads();  // the stash is refilled by the next pass/group
         else cp_syncwarp();
       }
     }
@@ -1321,41 +1351,62 @@ int query_tiles(int vectors) {
 #endif
 }
 
+// The whole-page (or warpgroup) instance, or with split the split-page one where F has it.
 template <int F, int NT, bool W>
-int launch_nt(const ScoreParams& p, const PushState* push, int grid, void* stream) {
+int launch_nt(const ScoreParams& p, const PushState* push, bool split, int grid, void* stream) {
   const PushState none = {};
-  score_kernel<F, NT, W><<<grid, kThreads, 0, (cp_stream_t)stream>>>(p, push ? *push : none);
+  const auto stream_ = (cp_stream_t)stream;
+  if constexpr (!W && kSplits<F>) {
+    if (split) {
+      score_kernel<F, NT, false, true><<<grid, kThreads, 0, stream_>>>(p, push ? *push : none);
+      return (int)cp_get_last_error();
+    }
+  }
+  score_kernel<F, NT, W, false><<<grid, kThreads, 0, stream_>>>(p, push ? *push : none);
   return (int)cp_get_last_error();
 }
 
 template <int F>
-int launch_format(const ScoreParams& p, const PushState* push, bool wgmma, int grid, void* stream) {
+int launch_format(const ScoreParams& p, const PushState* push, bool wgmma, bool split, int grid,
+                  void* stream) {
   switch (query_tiles(p.query_len * p.num_heads)) {
-    case 1: return launch_nt<F, 1, false>(p, push, grid, stream);
+    case 1: return launch_nt<F, 1, false>(p, push, split, grid, stream);
 #if CP_USE_MMA
-    case 2: return launch_nt<F, 2, false>(p, push, grid, stream);
+    case 2: return launch_nt<F, 2, false>(p, push, split, grid, stream);
 #if CP_WGMMA
-    case 4: return wgmma ? launch_nt<F, 4, true>(p, push, grid, stream)
-                         : launch_nt<F, 4, false>(p, push, grid, stream);
+    case 4: return wgmma ? launch_nt<F, 4, true>(p, push, false, grid, stream)
+                         : launch_nt<F, 4, false>(p, push, split, grid, stream);
 #else
-    case 4: return (void)wgmma, launch_nt<F, 4, false>(p, push, grid, stream);
+    case 4: return (void)wgmma, launch_nt<F, 4, false>(p, push, split, grid, stream);
 #endif
 #endif
     default: return -1;
   }
 }
 
+// CTAs per SM; without the warpgroup mma, the fewer of the whole-page and the split-page
+// instance, since a push grid sized on it must be resident whichever of them runs.
+template <int F, int NT, bool W>
+int occupancy_nt(int* ctas) {
+  int rc = (int)cp_occupancy(ctas, score_kernel<F, NT, W, false>, kThreads, 0);
+  if constexpr (!W && kSplits<F>) {
+    int split = 0;
+    if (rc == 0) rc = (int)cp_occupancy(&split, score_kernel<F, NT, false, true>, kThreads, 0);
+    if (split < *ctas) *ctas = split;
+  }
+  return rc;
+}
+
 template <int F>
 int occupancy_format(int vectors, bool wgmma, int* ctas) {
   switch (query_tiles(vectors)) {
-    case 1: return (int)cp_occupancy(ctas, score_kernel<F, 1, false>, kThreads, 0);
+    case 1: return occupancy_nt<F, 1, false>(ctas);
 #if CP_USE_MMA
-    case 2: return (int)cp_occupancy(ctas, score_kernel<F, 2, false>, kThreads, 0);
+    case 2: return occupancy_nt<F, 2, false>(ctas);
 #if CP_WGMMA
-    case 4: return wgmma ? (int)cp_occupancy(ctas, score_kernel<F, 4, true>, kThreads, 0)
-                         : (int)cp_occupancy(ctas, score_kernel<F, 4, false>, kThreads, 0);
+    case 4: return wgmma ? occupancy_nt<F, 4, true>(ctas) : occupancy_nt<F, 4, false>(ctas);
 #else
-    case 4: return (void)wgmma, (int)cp_occupancy(ctas, score_kernel<F, 4, false>, kThreads, 0);
+    case 4: return (void)wgmma, occupancy_nt<F, 4, false>(ctas);
 #endif
 #endif
     default: return -1;
@@ -1364,13 +1415,13 @@ int occupancy_format(int vectors, bool wgmma, int* ctas) {
 
 }  // namespace
 
-int launch_score(const ScoreParams& p, const PushState* push, int format, bool wgmma, int grid,
-                 void* stream) {
+int launch_score(const ScoreParams& p, const PushState* push, int format, bool wgmma, bool split,
+                 int grid, void* stream) {
   switch (format) {
-    case kBF16: return launch_format<kBF16>(p, push, wgmma, grid, stream);
-    case kFP8: return launch_format<kFP8>(p, push, wgmma, grid, stream);
-    case kNVFP4: return launch_format<kNVFP4>(p, push, wgmma, grid, stream);
-    case kNVFP4Narrow: return launch_format<kNVFP4Narrow>(p, push, wgmma, grid, stream);
+    case kBF16: return launch_format<kBF16>(p, push, wgmma, split, grid, stream);
+    case kFP8: return launch_format<kFP8>(p, push, wgmma, split, grid, stream);
+    case kNVFP4: return launch_format<kNVFP4>(p, push, wgmma, split, grid, stream);
+    case kNVFP4Narrow: return launch_format<kNVFP4Narrow>(p, push, wgmma, split, grid, stream);
     default: return -1;
   }
 }
@@ -1386,5 +1437,15 @@ int score_occupancy(int format, int vectors, bool wgmma, int* ctas_per_sm) {
 }
 
 bool score_has_wgmma(int vectors) { return CP_WGMMA && query_tiles(vectors) == 4; }
+
+bool score_splits_pages(int format) {
+  switch (format) {
+    case kBF16: return kSplits<kBF16>;
+    case kFP8: return kSplits<kFP8>;
+    case kNVFP4: return kSplits<kNVFP4>;
+    case kNVFP4Narrow: return kSplits<kNVFP4Narrow>;
+    default: return false;
+  }
+}
 
 }  // namespace cpindex
