@@ -6,13 +6,13 @@
 
 Each ``name=DEFINES`` (space-separated ``MACRO=VALUE`` list, may be empty) compiles
 ``cpindex/kernels/score.hip`` for sm_90a with ``CP_WGMMA=1`` (what an H100/H200 builds), like
-``.ci/compile-kernels``. Per instance (format, query tiles ``NT``, warpgroup mma ``W``) it prints
-registers, spill bytes and the page loop: the innermost loop around all of the instance's mma
-instructions, with its instruction count, local-memory (spill) loads, generic loads and the most
-frequent opcodes. ``--order`` adds the loop's global loads (``L``) and mma instructions (``M``)
-in program order, which shows how far ahead of its math ptxas issued a tile's loads. Between
-variants, ``same`` marks instances whose SASS is identical to the first variant's: the check
-that a build timed with switches is the build that ships.
+``.ci/compile-kernels``. Per instance (format, query tiles ``NT``, warpgroup mma ``W``, split
+pages ``S``) it prints registers, spill bytes and the page loop: the innermost loop around all of
+the instance's mma instructions, with its instruction count, local-memory (spill) loads, generic
+loads and the most frequent opcodes. ``--order`` adds the loop's global loads (``L``) and mma
+instructions (``M``) in program order, which shows how far ahead of its math ptxas issued a
+tile's loads. Between variants, ``same`` marks instances whose SASS is identical to the first
+variant's: the check that a build timed with switches is the build that ships.
 
 Needs ``nvcc`` and ``cuobjdump`` (on PATH, next to nvcc, or ``$CUOBJDUMP``; PyPI's
 ``nvidia-cuda-cuobjdump`` wheel carries it). Static counts, not timings: docs/BENCHMARKS.md
