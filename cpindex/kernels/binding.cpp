@@ -76,10 +76,10 @@ void score(const torch::Tensor& q, const torch::Tensor& kv, const c10::optional<
               cudaGetErrorString(static_cast<cudaError_t>(rc)));
 }
 
-int64_t occupancy(int64_t format, int64_t vectors, bool wgmma) {
+int64_t occupancy(int64_t format, int64_t vectors, bool wgmma, bool split) {
   int ctas = 0;
   CP_CHECK_RT(static_cast<cudaError_t>(
-      cpindex::score_occupancy((int)format, (int)vectors, wgmma, &ctas)));
+      cpindex::score_occupancy((int)format, (int)vectors, wgmma, split, &ctas)));
   return ctas;
 }
 

@@ -117,9 +117,9 @@ struct ScoreParams {
 int launch_score(const ScoreParams& p, const PushState* push, int format, bool wgmma, bool split,
                  int grid, void* stream);
 
-// CTAs per SM the kernel for `vectors` = query_len * num_heads query vectors reaches (for the
-// persistent-grid cap).
-int score_occupancy(int format, int vectors, bool wgmma, int* ctas_per_sm);
+// CTAs per SM the instance launch_score runs for `vectors` = query_len * num_heads query vectors
+// and the same wgmma and split reaches (for the persistent-grid cap).
+int score_occupancy(int format, int vectors, bool wgmma, bool split, int* ctas_per_sm);
 
 // Whether this build has a warpgroup-mma instance (sm_90a) for `vectors` query vectors.
 bool score_has_wgmma(int vectors);

@@ -163,7 +163,7 @@ class KernelScorer:
         self._lut = nvfp4_lut().to(device) if fmt == "nvfp4" else None
         self._sms = torch.cuda.get_device_properties(device).multi_processor_count
         self._ranks_per_device = ranks_per_device
-        self._capacity: dict[tuple[int, int, bool], int] = {}
+        self._capacity: dict[tuple[int, int, bool, bool], int] = {}
         self._has_wgmma: dict[int, bool] = {}  # per T * H: the build has a warpgroup instance
         self._splits: dict[int, bool] = {}  # per format: the build splits pages of small calls
 
@@ -180,19 +180,25 @@ class KernelScorer:
         if has is None:
             has = self._has_wgmma[vectors] = self.mod.has_wgmma(vectors)
         wgmma = has and items * self._ranks_per_device >= WGMMA_MIN_ITEMS_PER_SM * self._sms
-        cap = self._capacity.get((fid, vectors, wgmma))
-        if cap is None:  # the kernel instance depends on the load width and on T * H
-            per_sm = self.mod.occupancy(fid, vectors, wgmma)
-            cap = max(1, self._sms * per_sm // self._ranks_per_device)
-            self._capacity[(fid, vectors, wgmma)] = cap
-        # Four warps a CTA, one item each; or, where the build has split-page instances and the
-        # items all fit at once, a CTA per item.
+        # A CTA per item where the build has a split-page instance and the items all fit its
+        # resident grid at once; otherwise four warps a CTA, one item each, on at most the
+        # whole-page instance's resident grid.
         splits = self._splits.get(fid)
         if splits is None:
             splits = self._splits[fid] = self.mod.splits_pages(fid)
-        split = SPLIT_PAGES and splits and not wgmma and items <= cap
-        ctas = items if split else min(-(-items // 4), cap)
+        split = SPLIT_PAGES and splits and not wgmma
+        split = split and items <= self._cap(fid, vectors, False, True)
+        ctas = items if split else min(-(-items // 4), self._cap(fid, vectors, wgmma, False))
         return LaunchShape(max(ctas, self.world if push else 1), wgmma, split)
+
+    def _cap(self, fid: int, vectors: int, wgmma: bool, split: bool) -> int:
+        """The CTAs of this rank's share of the GPU that one kernel instance keeps resident."""
+        key = (fid, vectors, wgmma, split)
+        cap = self._capacity.get(key)
+        if cap is None:  # the instance depends on the load width, on T * H and on the mode
+            per_sm = self.mod.occupancy(fid, vectors, wgmma, split)
+            cap = self._capacity[key] = max(1, self._sms * per_sm // self._ranks_per_device)
+        return cap
 
     def params(
         self,

@@ -54,6 +54,12 @@
 #ifndef CP_WG_CTAS  // the same for the warpgroup-mma instances (0: 3 for bf16, 4 otherwise)
 #define CP_WG_CTAS 0
 #endif
+#ifndef CP_SPLIT_CTAS  // the same for the split-page instances (0: the whole-page instances')
+#define CP_SPLIT_CTAS 0
+#endif
+#ifndef CP_LOCAL_FAILED_CHECK  // 1: a local call checks the error word first too (measurement)
+#define CP_LOCAL_FAILED_CHECK 0
+#endif
 // CP_PHASE_TRACE (measurement only, CUDA): in push mode, thread 0 of CTA 0 and of the last CTA
 // prints the SM clock at each phase of every 128th call (benchmarks/phase_trace.py reads it).
 #if defined(CP_PHASE_TRACE) && !defined(CP_HIP)
@@ -993,15 +999,18 @@ CP_DEVICE void write_score(const ScoreParams& p, const VecOut& o, int j, int k, 
 // scheduling freedom. The tile count per pass sets how much each warp must hold.
 // 0 leaves ptxas its own choice for four query tiles (255 registers, 2 CTAs): a 3-CTA target
 // (CP_NT4_CTAS=3) spills a little and trades small batches for large ones (docs/BENCHMARKS.md).
-template <int F, int NT, bool W>
-constexpr int kMinCtas = W         ? (CP_WG_CTAS ? CP_WG_CTAS : F == kBF16 ? 3 : 4)
+// The split-page instances take the same targets (CP_SPLIT_CTAS=N: N CTAs per SM; 4 for four
+// query tiles, which would split larger calls, spills and measured slower, docs/kernel.md).
+template <int F, int NT, bool W, bool S>
+constexpr int kMinCtas = S && CP_SPLIT_CTAS ? CP_SPLIT_CTAS
+                         : W       ? (CP_WG_CTAS ? CP_WG_CTAS : F == kBF16 ? 3 : 4)
                          : NT == 4 ? CP_NT4_CTAS
                          : NT == 2 ? (F == kBF16 ? 3 : 4)
                                    : (F == kFP8 ? 5 : 4);
 #if defined(CP_MIN_CTAS) && !defined(CP_HIP)  // measurement: one cap for every instance
 #define CP_BOUNDS __launch_bounds__(kThreads, CP_MIN_CTAS)
 #elif CP_USE_MMA  // the tensor-core instances; the portable path keeps ptxas's choice
-#define CP_BOUNDS __launch_bounds__(kThreads, (kMinCtas<F, NT, W>))
+#define CP_BOUNDS __launch_bounds__(kThreads, (kMinCtas<F, NT, W, S>))
 #else
 #define CP_BOUNDS __launch_bounds__(kThreads)
 #endif
@@ -1083,7 +1092,10 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
       if constexpr (kNvfp4Cvt<NT, W> > 0) lut8_ld[r] = reinterpret_cast<const uint2*>(p.fp4_lut + 4096)[i];
     }
   }
-  if (failed(p)) return;  // an earlier call failed: the host raises; don't stall every replay
+  // An earlier call failed and the host raises at its next check. A pushed call stops here so
+  // that replays do not wait on peers; a local call has nothing to wait for, and the check's
+  // round trip would come before its first key byte.
+  if ((push || CP_LOCAL_FAILED_CHECK) && failed(p)) return;
 #pragma unroll
   for (int r = 0; r < kLutLoads; ++r) {
     const int i = threadIdx.x + r * kThreads;
@@ -1384,29 +1396,27 @@ int launch_format(const ScoreParams& p, const PushState* push, bool wgmma, bool 
   }
 }
 
-// CTAs per SM; without the warpgroup mma, the fewer of the whole-page and the split-page
-// instance, since a push grid sized on it must be resident whichever of them runs.
+// CTAs per SM of the instance launch_nt runs for the same arguments (a push grid must be
+// resident at once, so each instance's grid is sized on its own occupancy).
 template <int F, int NT, bool W>
-int occupancy_nt(int* ctas) {
-  int rc = (int)cp_occupancy(ctas, score_kernel<F, NT, W, false>, kThreads, 0);
+int occupancy_nt(bool split, int* ctas) {
   if constexpr (!W && kSplits<F>) {
-    int split = 0;
-    if (rc == 0) rc = (int)cp_occupancy(&split, score_kernel<F, NT, false, true>, kThreads, 0);
-    if (split < *ctas) *ctas = split;
+    if (split) return (int)cp_occupancy(ctas, score_kernel<F, NT, false, true>, kThreads, 0);
   }
-  return rc;
+  return (int)cp_occupancy(ctas, score_kernel<F, NT, W, false>, kThreads, 0);
 }
 
 template <int F>
-int occupancy_format(int vectors, bool wgmma, int* ctas) {
+int occupancy_format(int vectors, bool wgmma, bool split, int* ctas) {
   switch (query_tiles(vectors)) {
-    case 1: return occupancy_nt<F, 1, false>(ctas);
+    case 1: return occupancy_nt<F, 1, false>(split, ctas);
 #if CP_USE_MMA
-    case 2: return occupancy_nt<F, 2, false>(ctas);
+    case 2: return occupancy_nt<F, 2, false>(split, ctas);
 #if CP_WGMMA
-    case 4: return wgmma ? occupancy_nt<F, 4, true>(ctas) : occupancy_nt<F, 4, false>(ctas);
+    case 4: return wgmma ? occupancy_nt<F, 4, true>(false, ctas)
+                         : occupancy_nt<F, 4, false>(split, ctas);
 #else
-    case 4: return (void)wgmma, occupancy_nt<F, 4, false>(ctas);
+    case 4: return (void)wgmma, occupancy_nt<F, 4, false>(split, ctas);
 #endif
 #endif
     default: return -1;
@@ -1426,12 +1436,12 @@ int launch_score(const ScoreParams& p, const PushState* push, int format, bool w
   }
 }
 
-int score_occupancy(int format, int vectors, bool wgmma, int* ctas_per_sm) {
+int score_occupancy(int format, int vectors, bool wgmma, bool split, int* ctas_per_sm) {
   switch (format) {
-    case kBF16: return occupancy_format<kBF16>(vectors, wgmma, ctas_per_sm);
-    case kFP8: return occupancy_format<kFP8>(vectors, wgmma, ctas_per_sm);
-    case kNVFP4: return occupancy_format<kNVFP4>(vectors, wgmma, ctas_per_sm);
-    case kNVFP4Narrow: return occupancy_format<kNVFP4Narrow>(vectors, wgmma, ctas_per_sm);
+    case kBF16: return occupancy_format<kBF16>(vectors, wgmma, split, ctas_per_sm);
+    case kFP8: return occupancy_format<kFP8>(vectors, wgmma, split, ctas_per_sm);
+    case kNVFP4: return occupancy_format<kNVFP4>(vectors, wgmma, split, ctas_per_sm);
+    case kNVFP4Narrow: return occupancy_format<kNVFP4Narrow>(vectors, wgmma, split, ctas_per_sm);
     default: return -1;
   }
 }
