@@ -512,7 +512,8 @@ CP_DEVICE uint32_t error_code(const ScoreParams& p) {
   return *reinterpret_cast<volatile const uint32_t*>(&p.err->code);
 }
 
-// Any recorded error: later launches exit at once (the host raises; replays don't stall).
+// Any recorded error: later pushed launches exit at once (the host raises; replays don't wait on
+// peers).
 CP_DEVICE bool failed(const ScoreParams& p) { return error_code(p) != kErrNone; }
 
 // The ranks are not in step (a peer late, or a call that is not the same call on every rank):
