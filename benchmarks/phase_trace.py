@@ -2,7 +2,7 @@
 
     python benchmarks/phase_trace.py --formats fp8 --rows 8,32 --context 32k,128k --query-len 4
 
-Builds the kernel with ``CP_PHASE_TRACE`` (a measurement switch of score.hip: thread 0 of CTA 0
+Builds the kernel with ``CP_PHASE_TRACE`` (a measurement switch of the kernel: thread 0 of CTA 0
 and of the last CTA to finish print the SM clock at each phase of every 128th call), runs
 ``python -m cpindex bench --select`` for each shape on the ``ipc`` transport, and prints, per
 mode (``score_push`` or ``select_blocks``), rank and CTA, the median microseconds each phase took:

@@ -319,7 +319,7 @@ BAD_PAGE_BUG = (
     "collective on CPU scores with reference.block_scores, which does not check block_table "
     "pages: a page >= num_pages raises IndexError on the owning rank only (its peers then wait "
     "in the all-to-all: a hang under gloo), and a negative page silently wraps to another page; "
-    "the GPU kernel reports both as BadBlockTableError (score.hip:384)"
+    "the GPU kernel reports both as BadBlockTableError (docs/kernel.md, masking and forcing)"
 )
 
 

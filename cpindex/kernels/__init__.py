@@ -1,5 +1,5 @@
-"""The fused HIP/CUDA scoring kernel: source (``score.hip``, ``compat.h``, ``launch.h``), torch
-binding (``binding.cpp``), JIT build (:mod:`.build`) and launcher (:mod:`.launcher`)."""
+"""The fused HIP/CUDA scoring kernel: source (``score.hip`` and the headers it includes),
+torch binding (``binding.cpp``), JIT build (:mod:`.build`) and launcher (:mod:`.launcher`)."""
 
 from .build import (
     KernelUnavailable,

@@ -19,7 +19,6 @@ import torch
 from ..errors import TransportUnavailable
 
 _HERE = Path(__file__).resolve().parent
-_SOURCES = ("score.hip", "binding.cpp", "compat.h", "launch.h")
 _lock = threading.Lock()
 _modules: dict[tuple[str, bool], ModuleType] = {}
 
@@ -38,21 +37,26 @@ def device_arch(device: torch.device | None = None) -> str:
     return f"sm_{props.major}{props.minor}"
 
 
+def _kernel_sources() -> list[Path]:
+    """The kernel's sources: ``score.hip`` and the headers it includes, sorted by name."""
+    return sorted(_HERE.glob("*.hip")) + sorted(_HERE.glob("*.h"))
+
+
 def _source_hash(flags: list[str]) -> str:
     h = hashlib.sha256()
-    for name in _SOURCES:
-        h.update((_HERE / name).read_bytes())
+    for path in [*_kernel_sources(), _HERE / "binding.cpp"]:
+        h.update(path.read_bytes())
     h.update(" ".join(flags).encode())
     h.update(torch.__version__.encode())
     return h.hexdigest()[:16]
 
 
 def sources_digest() -> str:
-    """12 hex digits of the sha256 of the kernel sources (``score.hip``, then ``compat.h`` and
-    ``launch.h``): the same as ``cat cpindex/kernels/*.hip cpindex/kernels/*.h | sha256sum``,
-    which ``benchmarks/device.sh`` prints, so a result names the code it ran."""
+    """12 hex digits of the sha256 of the kernel sources (``score.hip``, then its headers by
+    name): the same as ``cat cpindex/kernels/*.hip cpindex/kernels/*.h | sha256sum``, which
+    ``benchmarks/device.sh`` prints, so a result names the code it ran."""
     h = hashlib.sha256()
-    for path in sorted(_HERE.glob("*.hip")) + sorted(_HERE.glob("*.h")):
+    for path in _kernel_sources():
         h.update(path.read_bytes())
     return h.hexdigest()[:12]
 

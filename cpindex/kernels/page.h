@@ -1,0 +1,190 @@
+// page.h: scoring one page: causal cuts, masks and maxima, from registers or
+// through the cp.async ring.
+// Part of the scoring kernel's one translation unit: only score.hip includes it.
+#pragma once
+#include "dot.h"
+
+namespace cpindex {
+namespace {
+
+// Per-lane causal cuts of a pass: vector (u, e) = pass vector 8u + 2c + e belongs to query token
+// t, whose causal length is the request's minus (T - 1 - t). cut[u][e] = T - 1 - t.
+template <int NT>
+struct Cuts {
+  int cut[NT][2];
+};
+
+// acc holds tokens tok and tok + kGroups; a token at or past its row's causal length never
+// counts. limit = tokens of this page the request's last row sees; full: every row sees all 128.
+// kBranch: test `full` once (it is warp-uniform) instead of folding it into every value's
+// compare; measured faster for the warpgroup instance's register path only (docs/kernel.md).
+template <int NT, bool kBranch>
+CP_DEVICE void keep_max(float (&m)[NT][4], const float (&acc)[NT][4], int tok, int limit,
+                        bool full, const Cuts<NT>& cuts) {
+  if (kBranch && full) {
+#pragma unroll
+    for (int u = 0; u < NT; ++u)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) m[u][e] = fmaxf(m[u][e], acc[u][e]);
+    return;
+  }
+#pragma unroll
+  for (int u = 0; u < NT; ++u)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int lim = limit - cuts.cut[u][e];
+      if (full || tok < lim) m[u][e] = fmaxf(m[u][e], acc[u][e]);
+      if (full || tok + kGroups < lim) m[u][2 + e] = fmaxf(m[u][2 + e], acc[u][2 + e]);
+    }
+}
+
+// The page's max over its tokens for this lane's vectors (2c, 2c + 1) of every n-tile, in every
+// lane, scaled.
+template <int NT>
+CP_DEVICE void finish_page(const ScoreParams& p, const float (&m)[NT][4], float (&val)[NT][2]) {
+#pragma unroll
+  for (int u = 0; u < NT; ++u)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float v = fmaxf(m[u][e], m[u][2 + e]);
+#pragma unroll
+      for (int off = 4; off < CP_WARP; off <<= 1) v = fmaxf(v, cp_shfl_xor(v, off));
+      val[u][e] = v * p.scale;
+    }
+}
+
+template <int NT>
+CP_DEVICE void init_max(float (&m)[NT][4]) {
+  const float ninf = -__builtin_huge_valf();
+#pragma unroll
+  for (int u = 0; u < NT; ++u) m[u][0] = m[u][1] = m[u][2] = m[u][3] = ninf;
+}
+
+// kTiles tiles of the page from tile t_first (a whole page, or a warp's part of a split page).
+template <int F, int NT, bool W, int kTiles>
+CP_DEVICE void score_page(const ScoreParams& p, const uint8_t* page, const uint8_t* scale_page,
+                          int limit, bool full, const Cuts<NT>& cuts, const QueryFrag<NT, W>& q,
+                          const float* q_smem, const uint4* lut, const uint2* lut8, int g, int c,
+                          int t_first, float (&val)[NT][2]) {
+  // The scalar dot keeps 16 partial sums live: no room to batch loads there. More query tiles
+  // hold more registers, so fewer tiles are loaded ahead.
+  // The warpgroup instance keeps its queries in shared memory: nvfp4 loads more ahead there.
+  constexpr int kWant = !CP_USE_MMA             ? 1
+                        : W && kFp4<F>          ? CP_NVFP4_BATCH_WG
+                        : Fmt<F>::kBatch / NT > 0 ? Fmt<F>::kBatch / NT
+                                                : 1;
+  constexpr int kBatch = kWant < kTiles ? kWant : kTiles;
+  static_assert(kTiles % kBatch == 0, "a load batch must divide the tiles scored (tiles past "
+                                      "them are another warp's or the next page's tokens)");
+  float m[NT][4];
+  init_max(m);
+#if CP_USE_MMA
+#pragma unroll
+#else
+#pragma unroll 1
+#endif
+  for (int t = 0; t < kTiles; t += kBatch) {
+    const int t0 = t_first + t;
+    TileRegs<F> regs[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) load_tile<F>(p, regs[b], page, scale_page, t0 + b, g, c);
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      uint32_t k0[16], k1[16];
+      unpack<F, kNvfp4Cvt<NT, W>>(regs[b], 0, lut, lut8, k0);
+      unpack<F, kNvfp4Cvt<NT, W>>(regs[b], 1, lut, lut8, k1);
+      float acc[NT][4];
+      tile_dot<F, NT, W>(k0, k1, q, q_smem, c, acc);
+      keep_max<NT, W>(m, acc, (t0 + b) * kTileTokens + g, limit, full, cuts);
+    }
+  }
+  finish_page<NT>(p, m, val);
+}
+
+// A page of a stream: its key bytes, the tokens of it the request's last row sees (limit) and
+// whether every row sees all 128 (full).
+struct PageRef {
+  const uint8_t* kv;
+  const uint8_t* ks;  // nvfp4 scales (null otherwise)
+  int limit;
+  bool full;
+};
+
+#if CP_SMEM_ON
+// A stream of m pages through a per-warp ring of kStages tiles in shared memory: tile t +
+// kStages - 1 is in flight while tile t is scored, across page boundaries too, so a warp's next
+// page is already arriving while it finishes the current one. A tile's 16 rows hold its tokens
+// in order, 16-byte chunk x of row r stored at chunk x ^ (r % 8), so that ldmatrix's 8 rows hit
+// 8 different banks. page_of(r) gives page r (a warp-wide call); done(r, val) takes its maxima.
+template <int F>
+constexpr int kTileBytes = kTileTokens * Fmt<F>::kTokenBytes;
+template <int F>
+constexpr int kStages = Fmt<F>::kRing ? CP_SMEM_RING / kTileBytes<F> : 0;
+
+template <int F, int NT, bool W, typename PageOf, typename Done>
+CP_DEVICE void score_pages_smem(const ScoreParams& p, int m, PageOf page_of, const Cuts<NT>& cuts,
+                                const QueryFrag<NT, W>& q, int g, int c, uint8_t* ring, Done done) {
+  constexpr int S = kStages<F>, kRow = Fmt<F>::kTokenBytes, kChunks = kRow / 16;
+  // A page's tiles fill whole turns of the ring, so tile t of any page sits in slot t % S.
+  static_assert(S >= 2 && kTilesPerPage % S == 0, "the ring must divide a page");
+  const int lane = 4 * g + c;
+  const uint32_t ring_addr = cp_smem_addr(ring);
+  auto issue = [&](const uint8_t* page, int t) {  // tile t: 512 contiguous bytes per instruction
+    const uint32_t slot = ring_addr + (t % S) * kTileBytes<F>;
+#pragma unroll
+    for (int i = 0; i < kTileBytes<F> / (16 * CP_WARP); ++i) {
+      const int id = lane + CP_WARP * i, r = id / kChunks, x = id % kChunks;
+      cp_async16(slot + r * kRow + ((x ^ (r & 7)) << 4), page + t * kTileBytes<F> + id * 16);
+    }
+  };
+  PageRef cur = page_of(0);
+#pragma unroll
+  for (int t = 0; t < S - 1; ++t) {
+    issue(cur.kv, t);
+    cp_async_commit();
+  }
+  // ldmatrix rows: lanes 0-7 and 16-23 read tokens 0-7, lanes 8-15 and 24-31 tokens 8-15;
+  // lanes 16-31 read the chunk after lanes 0-15's.
+  const int r = (lane & 7) + (lane & 8), hi = lane >> 4;
+  for (int pg = 0; pg < m; ++pg) {
+    const PageRef next = pg + 1 < m ? page_of(pg + 1) : PageRef{nullptr, nullptr, 0, false};
+    float mx[NT][4];
+    init_max(mx);
+#pragma unroll
+    for (int t = 0; t < kTilesPerPage; ++t) {
+      if (t + S - 1 < kTilesPerPage) issue(cur.kv, t + S - 1);
+      else if (next.kv != nullptr) issue(next.kv, t + S - 1 - kTilesPerPage);
+      cp_async_commit();  // possibly empty: keeps "S - 1 groups after tile t" true
+      cp_async_wait<S - 1>();
+      cp_syncwarp();  // every lane's copies of tile t are visible to every lane
+      const uint32_t slot = ring_addr + (t % S) * kTileBytes<F> + r * kRow;
+      uint32_t k0[16], k1[16];
+#pragma unroll
+      for (int u = 0; u < kChunks / 2; ++u) {  // chunks 2u, 2u + 1 of tokens 0-15
+        uint32_t x[4];
+        cp_ldmatrix_x4(slot + (((2 * u + hi) ^ (r & 7)) << 4), x);
+        if constexpr (Fmt<F>::kBf16) {  // one k-step: pairs 2u, 2u + 1
+          k0[2 * u] = x[0], k1[2 * u] = x[1], k0[2 * u + 1] = x[2], k1[2 * u + 1] = x[3];
+        } else {  // two k-steps: pairs 4u .. 4u + 3, each word four e4m3 values
+#pragma unroll
+          for (int w = 0; w < 4; ++w) {  // x[w]: tokens 0-7 (k0) or 8-15 (k1), chunk 2u + w / 2
+            uint32_t(&k)[16] = (w & 1) ? k1 : k0;
+            cp_e4m3x4_to_f16x2x2(x[w], k[4 * u + 2 * (w >> 1)], k[4 * u + 2 * (w >> 1) + 1]);
+          }
+        }
+      }
+      cp_syncwarp();  // slot t % S is read before a later tile refills it
+      float acc[NT][4];
+      tile_dot<F, NT, W>(k0, k1, q, nullptr, c, acc);
+      keep_max<NT, false>(mx, acc, t * kTileTokens + g, cur.limit, cur.full, cuts);
+    }
+    float val[NT][2];
+    finish_page<NT>(p, mx, val);
+    done(pg, val);
+    cur = next;
+  }
+}
+#endif
+
+}  // namespace
+}  // namespace cpindex
