@@ -12,7 +12,8 @@
 #   variants [ARGS]        python benchmarks/kernel_variants.py  (default: the shipped build
 #                          against the register path and a 4-CTA register cap)
 #   probe [VARIANT WORLD]  benchmarks/handshake_probe.py with CUDA_MODULE_LOADING=EAGER, then LAZY
-#   profile FMT REQ CTX [T]  Nsight Compute on benchmarks/profile_kernel.py (stall reasons too)
+#   profile FMT REQ CTX [T [W]]  Nsight Compute on benchmarks/profile_kernel.py (stall reasons
+#                          too; W > 1: rank 0's share of W)
 #   phases [ARGS]          benchmarks/phase_trace.py: where a pushed call's time goes, phase by
 #                          phase (score_push and select_blocks, the one-process world)
 #   wgmma-probe            benchmarks/wgmma_probe.cu: the operand layouts and accumulation
@@ -138,7 +139,7 @@ cmd_probe() {
 }
 
 cmd_profile() {
-  [ $# -ge 3 ] || { echo "usage: device.sh profile FMT REQUESTS CONTEXT [QUERY_LEN]" >&2; return 2; }
+  [ $# -ge 3 ] || { echo "usage: device.sh profile FMT REQUESTS CONTEXT [QUERY_LEN [WORLD]]" >&2; return 2; }
   local name="ncu-$(IFS=-; echo "$*")${CPINDEX_KERNEL_DEFINES:+-${CPINDEX_KERNEL_DEFINES// /-}}.txt"
   bounded 150 ncu --clock-control none -k regex:score_kernel --launch-skip 3 --launch-count 1 \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
@@ -162,7 +163,7 @@ cmd_wgmma_probe() {
   bounded 30 /tmp/wgmma_probe
 }
 
-[ $# -ge 1 ] || { sed -n '2,25p' "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n '2,27p' "$0"; exit 2; }
 cmd=$1
 shift
 setup || exit 1
