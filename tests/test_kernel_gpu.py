@@ -12,7 +12,7 @@ import torch
 from _gpu import FORMATS, assert_scores, expected, force_warpgroup_mma, needs_gpu
 
 from cpindex import BadBlockTableError, formats, ops, testing
-from cpindex.kernels import launcher
+from cpindex.kernels import launcher, structs
 
 pytestmark = [needs_gpu, pytest.mark.gpu]
 
@@ -189,7 +189,8 @@ def test_split_and_whole_pages_match(fmt, portable, split, t, heads, monkeypatch
         dev, fmt[:5], num_heads=heads, rank=0, world=1, sm_scale=128**-0.5,
         monitor=launcher.ErrorMonitor(dev, 0), portable=portable,
     )  # fmt: skip
-    shape = scorer.grid(prob.requests, prob.width, False, t)
+    fid = structs.NVFP4_NARROW if fmt == "nvfp4-vllm" else None  # the instance launch() takes
+    shape = scorer.grid(prob.requests, prob.width, False, t, fid)
     assert shape.split == split and not shape.wgmma, shape  # the instance under test
     assert shape.grid == prob.requests * prob.width or not split, shape
     out = torch.full((heads, prob.rows, prob.width), float("nan"), device="cuda")
