@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "cpindex" / "kernels" / "score.hip"
 FORMATS = {0: "bf16", 1: "fp8", 2: "nvfp4", 3: "nvfp4-vllm"}  # launch.h: CacheFormat
-INSTANCE = re.compile(r"score_kernelILi(\d)ELi(\d)ELb([01])ELb([01])E")
+INSTANCE = re.compile(r"score_kernelILi(\d)ELi(\d)ELb([01])ELi(\d)E")
 SASS_LINE = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 
 
@@ -48,7 +48,7 @@ class Instance:
     fmt: str
     nt: int
     wgmma: bool
-    split: bool
+    split: int  # warps per page of a split-page instance (4 or 2), 0 for whole pages
     registers: int = 0
     spill_stores: int = 0
     spill_loads: int = 0
@@ -56,11 +56,11 @@ class Instance:
     loop: list[str] = field(default_factory=list)  # page-loop opcodes in program order
 
     @property
-    def key(self) -> tuple[str, int, bool, bool]:
+    def key(self) -> tuple[str, int, bool, int]:
         return self.fmt, self.nt, self.wgmma, self.split
 
     def label(self) -> str:
-        kind = " wg" if self.wgmma else " split" if self.split else ""
+        kind = " wg" if self.wgmma else f" split{self.split}" if self.split else ""
         return f"{self.fmt} NT={self.nt}{kind}"
 
 
@@ -85,15 +85,15 @@ def _compile(defines: str, out: Path, nvcc: str) -> str:
     return proc.stderr
 
 
-def _resources(ptxas_log: str) -> dict[tuple[str, int, bool, bool], tuple[int, int, int]]:
+def _resources(ptxas_log: str) -> dict[tuple[str, int, bool, int], tuple[int, int, int]]:
     """(registers, spill stores, spill loads) per instance, from ``-Xptxas -v``."""
-    res: dict[tuple[str, int, bool, bool], tuple[int, int, int]] = {}
+    res: dict[tuple[str, int, bool, int], tuple[int, int, int]] = {}
     current = None
     stores = loads = 0
     for line in ptxas_log.splitlines():
         if "Function properties for" in line:
             m = INSTANCE.search(line)
-            current = (FORMATS[int(m[1])], int(m[2]), m[3] == "1", m[4] == "1") if m else None
+            current = (FORMATS[int(m[1])], int(m[2]), m[3] == "1", int(m[4])) if m else None
         elif current and "spill stores" in line:
             stores, loads = (int(x) for x in re.findall(r"(\d+) bytes spill", line))
         elif current and "Used" in line and "registers" in line:
@@ -131,7 +131,7 @@ def build(defines: str, nvcc: str, cuobjdump: str, tmp: Path) -> dict[tuple, Ins
         m = INSTANCE.search(chunk.split("\n", 1)[0])
         if not m:
             continue
-        inst = Instance(FORMATS[int(m[1])], int(m[2]), m[3] == "1", m[4] == "1")
+        inst = Instance(FORMATS[int(m[1])], int(m[2]), m[3] == "1", int(m[4]))
         body = [(int(x[1], 16), x[2], x[3]) for x in map(SASS_LINE.match, chunk.split("\n")) if x]
         text = "\n".join(f"{op}{args}" for _, op, args in body)
         inst.sass_digest = hashlib.md5(text.encode()).hexdigest()

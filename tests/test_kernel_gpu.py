@@ -171,17 +171,20 @@ SPLITTING = [
 
 
 @pytest.mark.parametrize("fmt,portable", SPLITTING, ids=lambda v: str(v))
-@pytest.mark.parametrize("split", [True, False], ids=["split", "whole"])
+@pytest.mark.parametrize("split", [4, 2, 0], ids=["quarters", "halves", "whole"])
 @pytest.mark.parametrize("t,heads", [(1, 4), (4, 4), (8, 4), (8, 8)], ids=lambda v: str(v))
 def test_split_and_whole_pages_match(fmt, portable, split, t, heads, monkeypatch):
-    """A call whose items all fit the grid splits each page over a CTA's four warps (a part
-    each, maxima combined in shared memory); otherwise a warp scores whole pages. Both on one
-    ragged batch: partial last blocks and causal cuts fall inside one warp's part, forcing,
-    1, 2 and 4 query tiles and two passes (T * H = 64)."""
-    monkeypatch.setattr(launcher, "SPLIT_PAGES", split)
+    """A call whose CTAs all fit the grid splits each page over four warps (a CTA per item) or
+    two (two items a CTA), a part each, maxima combined in shared memory; otherwise a warp
+    scores whole pages. All three on one ragged batch: partial last blocks and causal cuts fall
+    inside one warp's part, forcing, 1, 2 and 4 query tiles, two passes (T * H = 64), and an odd
+    item count, so that with halves the last CTA's second pair has no item."""
+    monkeypatch.setattr(launcher, "SPLIT_WARPS", (split,) if split else ())
+    lengths = torch.tensor([2900, 1025, 129, 2048, 700])  # 23 blocks: 115 items
     prob = testing.make_problem(
-        6, 3000, fmt[:5], query_len=t, num_heads=heads, seed=40 + t + heads, device="cuda"
-    )
+        5, 2900, fmt[:5], query_len=t, num_heads=heads, seed=40 + t + heads, lengths=lengths,
+        device="cuda",
+    )  # fmt: skip
     if fmt == "nvfp4-vllm":
         prob.index_cache = formats.to_vllm_layout(prob.index_cache)
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -192,7 +195,8 @@ def test_split_and_whole_pages_match(fmt, portable, split, t, heads, monkeypatch
     fid = structs.NVFP4_NARROW if fmt == "nvfp4-vllm" else None  # the instance launch() takes
     shape = scorer.grid(prob.requests, prob.width, False, t, fid)
     assert shape.split == split and not shape.wgmma, shape  # the instance under test
-    assert shape.grid == prob.requests * prob.width or not split, shape
+    assert prob.requests * prob.width == 115
+    assert shape.grid == -(-115 * split // 4) or not split, shape
     out = torch.full((heads, prob.rows, prob.width), float("nan"), device="cuda")
     scorer.score_local(
         prob.q, prob.index_cache, prob.block_table, prob.seq_lens, out,

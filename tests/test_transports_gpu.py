@@ -28,6 +28,7 @@ from _gpu import (
 )
 
 from cpindex import CPIndexConfig, IndexCP, OutOfStepError, PeerTimeoutError, testing
+from cpindex.kernels import launcher
 from cpindex.world import Comm, in_turn, run_threads, spawn_processes
 
 pytestmark = [needs_gpu, pytest.mark.gpu]
@@ -63,11 +64,14 @@ def _problems(fmt, n, seed, num_heads=4, max_rows=32, max_len=256 * 128, query_l
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize(
-    ("world", "t", "wg"), [(2, 1, 0), (4, 1, 0), (4, 4, 0), (2, 8, 0), (4, 8, 0), (4, 8, 1)]
+    ("world", "t", "inst"),
+    [(2, 1, ""), (4, 1, ""), (4, 4, ""), (2, 8, ""), (4, 8, ""), (4, 8, "wg"), (4, 4, "halves")],
 )
-def test_ipc_matches_collective_and_reference(fmt, world, t, wg, monkeypatch):
-    if wg:  # T * H = 32: the warpgroup-mma instance as well as the launcher's choice
+def test_ipc_matches_collective_and_reference(fmt, world, t, inst, monkeypatch):
+    if inst == "wg":  # T * H = 32: the warpgroup-mma instance as well as the launcher's choice
         force_warpgroup_mma(monkeypatch)
+    if inst == "halves":  # pushed calls that split pages over two warps where the format does
+        monkeypatch.setattr(launcher, "SPLIT_WARPS", (2,))
     probs = _problems(fmt, 6, seed=world + t, query_len=t)
     refs = [expected(p, 0, 1) for p in probs]
 

@@ -31,9 +31,13 @@ using cpindex::ScoreParams;
 void score(const torch::Tensor& q, const torch::Tensor& kv, const c10::optional<torch::Tensor>& ks,
            const torch::Tensor& block_table, const torch::Tensor& seq_lens,
            const torch::Tensor& params_image, const c10::optional<torch::Tensor>& push_image,
-           int64_t format, bool wgmma, bool split, int64_t grid) {
+           int64_t format, bool wgmma, int64_t split, int64_t grid) {
   // Validation happened once, in Python (cpindex/validation.py); these are cheap invariants.
   TORCH_CHECK(params_image.numel() == (int64_t)sizeof(ScoreParams), "ScoreParams image size");
+  const int fewest = cpindex::score_split_warps((int)format);
+  TORCH_CHECK(split == 0 || (fewest > 0 && split >= fewest && (split == 2 || split == 4)),
+              "split must be 0, or 2 or 4 warps per page where the build splits pages (format ",
+              format, ": ", fewest, " and up), got ", split);
   ScoreParams p;
   std::memcpy(&p, params_image.data_ptr(), sizeof p);
   // kv/ks arrive as views (cpindex.kernels.launcher.cache_parts): bf16/fp8 [pages, 128, 128];
@@ -67,25 +71,25 @@ void score(const torch::Tensor& q, const torch::Tensor& kv, const c10::optional<
     std::memcpy(&ps, push_image->data_ptr(), sizeof ps);
     ps.q_src = static_cast<const uint8_t*>(q.data_ptr());
     ps.q_bytes = q.numel() * q.element_size();
-    rc = cpindex::launch_score(p, &ps, (int)format, wgmma, split, (int)grid, stream);
+    rc = cpindex::launch_score(p, &ps, (int)format, wgmma, (int)split, (int)grid, stream);
   } else {
     p.q = static_cast<const uint8_t*>(q.data_ptr());
-    rc = cpindex::launch_score(p, nullptr, (int)format, wgmma, split, (int)grid, stream);
+    rc = cpindex::launch_score(p, nullptr, (int)format, wgmma, (int)split, (int)grid, stream);
   }
   TORCH_CHECK(rc == 0, "cpindex score kernel launch failed: ",
               cudaGetErrorString(static_cast<cudaError_t>(rc)));
 }
 
-int64_t occupancy(int64_t format, int64_t vectors, bool wgmma, bool split) {
+int64_t occupancy(int64_t format, int64_t vectors, bool wgmma, int64_t split) {
   int ctas = 0;
   CP_CHECK_RT(static_cast<cudaError_t>(
-      cpindex::score_occupancy((int)format, (int)vectors, wgmma, split, &ctas)));
+      cpindex::score_occupancy((int)format, (int)vectors, wgmma, (int)split, &ctas)));
   return ctas;
 }
 
 bool has_wgmma(int64_t vectors) { return cpindex::score_has_wgmma((int)vectors); }
 
-bool splits_pages(int64_t format) { return cpindex::score_splits_pages((int)format); }
+int64_t split_warps(int64_t format) { return cpindex::score_split_warps((int)format); }
 
 // Device ticks of the kernel's timeout clock per second (globaltimer ns on CUDA, the constant
 // wall clock on ROCm).
@@ -198,7 +202,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("score", &score);
   m.def("occupancy", &occupancy);
   m.def("has_wgmma", &has_wgmma);
-  m.def("splits_pages", &splits_pages);
+  m.def("split_warps", &split_warps);
   m.def("clock_ticks_per_second", &clock_ticks_per_second);
   m.def("peer_malloc", &peer_malloc);
   m.def("peer_free", &peer_free);

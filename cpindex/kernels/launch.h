@@ -113,19 +113,21 @@ struct ScoreParams {
 // identities), score, push, signal, wait.
 // Returns 0 or a cudaError_t/hipError_t value.
 // wgmma: the warpgroup-mma instance where the build has one for this T * H (score_has_wgmma).
-// split: the split-page instance where the build has one for the format (score_splits_pages).
-int launch_score(const ScoreParams& p, const PushState* push, int format, bool wgmma, bool split,
+// split: 0 for a warp per item; 4 or 2 for the split-page instance, that many warps sharing each
+// page, where the build has it for the format (score_split_warps).
+int launch_score(const ScoreParams& p, const PushState* push, int format, bool wgmma, int split,
                  int grid, void* stream);
 
 // CTAs per SM the instance launch_score runs for `vectors` = query_len * num_heads query vectors
 // and the same wgmma and split reaches (for the persistent-grid cap).
-int score_occupancy(int format, int vectors, bool wgmma, bool split, int* ctas_per_sm);
+int score_occupancy(int format, int vectors, bool wgmma, int split, int* ctas_per_sm);
 
 // Whether this build has a warpgroup-mma instance (sm_90a) for `vectors` query vectors.
 bool score_has_wgmma(int vectors);
 
-// Whether this build has split-page instances for `format`: a CTA's warps share each page (the
-// launcher takes them, a CTA per item, when a call's items all fit the grid at once).
-bool score_splits_pages(int format);
+// The fewest warps this build's split-page instance for `format` shares a page among: 4 (a CTA
+// per item) or 2 (two items a CTA; CP_SPLIT_PAIRS); 0 where it has none. The launcher takes
+// the most warps per page whose CTAs fit the grid at once.
+int score_split_warps(int format);
 
 }  // namespace cpindex

@@ -26,10 +26,12 @@ PHASES = {structs.ERR_TIMEOUT_QUERIES: "queries", structs.ERR_TIMEOUT_SCORES: "s
 WGMMA_MIN_ITEMS_PER_SM = 32
 
 # A call whose items (request, block) of the busiest rank's share all fit the resident grid at
-# once gets a CTA per item, and the CTA's four warps split the page (score.hip, kSplits: nvfp4,
-# and every format on the portable path): a small call has four times the warps decoding.
-# False keeps a warp per item (tests, A/B).
-SPLIT_PAGES = True
+# once splits each page over several warps of a CTA (score.hip, kSplits: nvfp4, and every format
+# on the portable path): a small call has more warps decoding. The warps per page, most first: a
+# call takes the first whose CTAs (4 / warps items each) fit the split instance's resident grid
+# and that the build has (CP_SPLIT_PAIRS=0 builds only 4). () keeps a warp per item (tests, A/B).
+SPLIT_WARPS: tuple[int, ...] = (4, 2)
+WARPS_PER_CTA = 4
 
 
 def nvfp4_lut() -> torch.Tensor:
@@ -134,7 +136,7 @@ class LaunchShape(NamedTuple):
 
     grid: int
     wgmma: bool  # the warpgroup-mma instance (sm_90a, four query tiles, large calls)
-    split: bool  # the split-page instance (a CTA per item, its warps sharing the page)
+    split: int  # the split-page instance's warps per page (4 or 2); 0: a warp per item
 
 
 class KernelScorer:
@@ -163,9 +165,9 @@ class KernelScorer:
         self._lut = nvfp4_lut().to(device) if fmt == "nvfp4" else None
         self._sms = torch.cuda.get_device_properties(device).multi_processor_count
         self._ranks_per_device = ranks_per_device
-        self._capacity: dict[tuple[int, int, bool, bool], int] = {}
+        self._capacity: dict[tuple[int, int, bool, int], int] = {}
         self._has_wgmma: dict[int, bool] = {}  # per T * H: the build has a warpgroup instance
-        self._splits: dict[int, bool] = {}  # per format: the build splits pages of small calls
+        self._splits: dict[int, int] = {}  # per format: the fewest warps a page splits over
 
     def grid(
         self, requests: int, width: int, push: bool, query_len: int = 1, fmt_id: int | None = None
@@ -180,19 +182,26 @@ class KernelScorer:
         if has is None:
             has = self._has_wgmma[vectors] = self.mod.has_wgmma(vectors)
         wgmma = has and items * self._ranks_per_device >= WGMMA_MIN_ITEMS_PER_SM * self._sms
-        # A CTA per item where the build has a split-page instance and the items all fit its
-        # resident grid at once; otherwise four warps a CTA, one item each, on at most the
-        # whole-page instance's resident grid.
-        splits = self._splits.get(fid)
-        if splits is None:
-            splits = self._splits[fid] = self.mod.splits_pages(fid)
-        split = SPLIT_PAGES and splits and not wgmma
-        split = split and items <= self._cap(fid, vectors, False, True)
-        ctas = items if split else min(-(-items // 4), self._cap(fid, vectors, wgmma, False))
+        # Split pages where the build has a split-page instance and the call's CTAs all fit its
+        # resident grid at once (4 / split items a CTA); otherwise four warps a CTA, one item
+        # each, on at most the whole-page instance's resident grid.
+        fewest = self._splits.get(fid)
+        if fewest is None:
+            fewest = self._splits[fid] = self.mod.split_warps(fid)
+        split = 0
+        for k in SPLIT_WARPS if fewest and not wgmma else ():
+            if k >= fewest and -(-items * k // WARPS_PER_CTA) <= self._cap(fid, vectors, False, k):
+                split = k
+                break
+        if split:
+            ctas = -(-items * split // WARPS_PER_CTA)
+        else:
+            ctas = min(-(-items // WARPS_PER_CTA), self._cap(fid, vectors, wgmma, 0))
         return LaunchShape(max(ctas, self.world if push else 1), wgmma, split)
 
-    def _cap(self, fid: int, vectors: int, wgmma: bool, split: bool) -> int:
-        """The CTAs of this rank's share of the GPU that one kernel instance keeps resident."""
+    def _cap(self, fid: int, vectors: int, wgmma: bool, split: int) -> int:
+        """The CTAs of this rank's share of the GPU that one kernel instance keeps resident
+        (split: its warps per page, 0 for the whole-page instances)."""
         key = (fid, vectors, wgmma, split)
         cap = self._capacity.get(key)
         if cap is None:  # the instance depends on the load width, on T * H and on the mode

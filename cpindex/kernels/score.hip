@@ -75,7 +75,7 @@ CP_DEVICE void write_score(const ScoreParams& p, const VecOut& o, int j, int k, 
 // (CP_NT4_CTAS=3) spills a little and trades small batches for large ones (docs/BENCHMARKS.md).
 // The split-page instances take the same targets (CP_SPLIT_CTAS=N: N CTAs per SM; 4 for four
 // query tiles, which would split larger calls, spills and measured slower, docs/kernel.md).
-template <int F, int NT, bool W, bool S>
+template <int F, int NT, bool W, int S>
 constexpr int kMinCtas = S && CP_SPLIT_CTAS ? CP_SPLIT_CTAS
                          : W       ? (CP_WG_CTAS ? CP_WG_CTAS : F == kBF16 ? 3 : 4)
                          : NT == 4 ? CP_NT4_CTAS
@@ -105,11 +105,13 @@ constexpr bool kSplits = CP_SPLIT_PAGES && !Fmt<F>::kRing;
 // NT: query n-tiles per pass (tensor cores; 1 on the portable path). A request with more than
 // 8 * NT vectors takes several passes over a page; the later passes find it in L2. W: the
 // warpgroup-mma instance (CP_WGMMA builds, NT = 4), whose unit of work is the CTA. S: the
-// split-page instance (kSplits formats), whose unit of work is the CTA too.
-template <int F, int NT, bool W, bool S>
+// split-page instances (kSplits formats; S = 4 or 2, 0 for none), whose unit of work is the S
+// warps that share a page.
+template <int F, int NT, bool W, int S>
 __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) {
   static_assert(!W || (CP_WGMMA && NT == 4), "the warpgroup mma takes four query tiles, sm_90a");
   static_assert(!S || (!W && kSplits<F>), "split pages: a kSplits format, without the wgmma");
+  static_assert(S == 0 || S == 2 || S == kWarpsPerCta, "split pages over 2 or 4 warps");
   const int lane = threadIdx.x % CP_WARP, warp = threadIdx.x / CP_WARP;
   const int g = lane >> 2, c = lane & 3;
   const bool push = ps.calls != nullptr;
@@ -127,8 +129,10 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   __shared__ uint4 lut[kFp4<F> ? 256 : 1];
   __shared__ uint2 lut8[kFp4<F> && kNvfp4Cvt<NT, W> > 0 ? 256 : 1];
   // A group's maxima until it is written: per warp, or per CTA where the warps share a group.
-  __shared__ float stash_all[kWarpsPerCta * CP_GROUP_MAX][kVecsPerTile * NT];
-  float(*stash)[kVecsPerTile * NT] = stash_all + (W ? 0 : warp * CP_GROUP_MAX);
+  // A split page's warp keeps a row per part it scored (two where two warps share a page).
+  constexpr int kStashRows = CP_GROUP_MAX > 2 ? CP_GROUP_MAX : 2;  // per warp
+  __shared__ float stash_all[kWarpsPerCta * kStashRows][kVecsPerTile * NT];
+  float(*stash)[kVecsPerTile * NT] = stash_all + (W ? 0 : warp * kStashRows);
 #if CP_USE_MMA
   __shared__ __align__(128) uint8_t q_b[W ? 8 * 1024 : 16];  // B operand (warpgroup mma)
 #endif
@@ -226,13 +230,19 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
     // pages four at a time (page r of the group on warp r % 4), so the cost of a group of gs
     // pages is ceil(gs / 4) page times.
     // Split pages (S; the launcher picks it when the busiest rank's items all fit the grid at
-    // once, each with a CTA): a CTA takes one item at a time and its warps score a quarter of
-    // the page each, combining their maxima through the stash. A call of few pages then has four
-    // times the warps loading and decoding instead of one warp per page. Its own instance, so
-    // that the whole-page loops keep their register allocation.
+    // once): ks warps take one item at a time and score a part of the page each (a quarter, or
+    // half where a CTA per item would not fit), combining their maxima through the stash. A
+    // call of few pages then has two or four times the warps loading and decoding. A CTA holds
+    // 4 / ks such units; their loops run in step (same trip counts), since a CTA's barriers
+    // wait for all four warps. Its own instance, so that the whole-page loops keep their
+    // register allocation.
     constexpr int kSpan = W ? kWarpsPerCta : 1;  // warps that share a group
-    constexpr bool split = S;
-    const int64_t units = W || split ? (int64_t)gridDim.x : (int64_t)gridDim.x * kWarpsPerCta;
+    constexpr bool split = S > 0;
+    constexpr int ks = split ? S : kWarpsPerCta;                            // warps per split page
+    constexpr int per_cta = W ? 1 : split ? kWarpsPerCta / ks : kWarpsPerCta;  // units of work
+    constexpr int parts = kWarpsPerCta / ks;  // split: a warp's parts of a page, kSplitTiles each
+    const int sharer = ks < kWarpsPerCta ? warp % ks : warp;  // index among a page's warps
+    const int64_t units = (int64_t)gridDim.x * per_cta;
     int group = 1;
     if (!split && (vs.count <= per_pass || W)) {
       const int most = vs.count <= per_pass ? kSpan * kGroupMax<F, NT> : kSpan;
@@ -250,11 +260,16 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
     if constexpr (W) q.smem = cp_smem_addr(q_b);
 #endif
     int cur_req = -1, cur_v0 = -1;
-    const int64_t first =
-        W || split ? (int64_t)blockIdx.x : (int64_t)blockIdx.x * kWarpsPerCta + warp;
-    for (int64_t gi = first; gi < groups; gi += units) {
-      const int i = (int)(gi / per_req), k0 = (int)(gi - (int64_t)i * per_req) * group;
-      const int count = kw - k0 < group ? kw - k0 : group;
+    const int64_t first = W || split ? (int64_t)blockIdx.x * per_cta
+                                     : (int64_t)blockIdx.x * kWarpsPerCta + warp;
+    for (int64_t gi0 = first; gi0 < groups; gi0 += units) {
+      // A split CTA's units take groups gi0, gi0 + 1, ...; one past the last group has no items
+      // and only meets the CTA's barriers.
+      const int64_t gi = per_cta > 1 && split ? gi0 + warp / ks : gi0;
+      const bool idle = per_cta > 1 && split && gi >= groups;
+      const int64_t gq = idle ? groups - 1 : gi;
+      const int i = (int)(gq / per_req), k0 = (int)(gq - (int64_t)i * per_req) * group;
+      const int count = idle ? 0 : kw - k0 < group ? kw - k0 : group;
       // Lane l < count looks at item k0 + l, block j. Its page id, the request's length and (one
       // pass, warps on their own) its queries are loaded before any of them is used, so their
       // round trips overlap instead of following one another; a page id past the request's
@@ -264,14 +279,14 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
           lane < count && j < p.bt_cols ? p.block_table[(int64_t)i * p.bt_row_stride + j] : -1;
       const int len = p.seq_lens[i];
       if constexpr (!W) {
-        if (vs.count <= per_pass && i != cur_req) {
+        if (vs.count <= per_pass && i != cur_req && !idle) {
           prepare_query<F, NT, W>(p, vs, i, 0, g, c, q, q_smem);
           cur_req = i, cur_v0 = 0;
         }
       }
       const int n = len > 0 ? (len + kPageTokens - 1) / kPageTokens : 0;  // the last row's blocks
-      const bool reporter = (!W && !split) || warp == 0;  // warps sharing a group report once
-      if (k0 == 0 && lane == 0 && reporter) {  // checked once per request
+      const bool reporter = (!W && !split) || sharer == 0;  // warps sharing a group: once
+      if (k0 == 0 && lane == 0 && reporter && !idle) {  // checked once per request
         if (len < p.query_len) report(p, kErrLength, (uint32_t)i, call, (uint64_t)(int64_t)len);
         else if (n > p.width || n > p.bt_cols) report(p, kErrWidth, (uint32_t)i, call, (uint64_t)n);
       }
@@ -325,15 +340,17 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
           }
           // Maxima wait in shared memory until the group is scored: writing them from inside
           // the stream would keep every row's output address live across it.
-          auto done = [&](int x, const float (&val)[NT][2]) {
-            const int r = read_index(x);
-            if (W && r >= reads) return;
-            const int l = cp_shfl_int(mine, r);
+          auto keep = [&](int row, const float (&val)[NT][2]) {
             if (g == 0)
 #pragma unroll
               for (int u = 0; u < NT; ++u)
 #pragma unroll
-                for (int e = 0; e < 2; ++e) stash[l][kVecsPerTile * u + 2 * c + e] = val[u][e];
+                for (int e = 0; e < 2; ++e) stash[row][kVecsPerTile * u + 2 * c + e] = val[u][e];
+          };
+          auto done = [&](int x, const float (&val)[NT][2]) {
+            const int r = read_index(x);
+            if (W && r >= reads) return;
+            keep(cp_shfl_int(mine, r), val);
           };
 #if CP_SMEM_ON
           if constexpr (kStages<F> > 0) {
@@ -344,13 +361,20 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
             for (int x = 0; x < streamed; ++x) {
               const PageRef pr = page_of(x);
               float val[NT][2];
-              if constexpr (split)
-                score_page<F, NT, W, kSplitTiles>(p, pr.kv, pr.ks, pr.limit, pr.full, cuts, q,
-                                                  q_smem, lut, lut8, g, c, warp * kSplitTiles, val);
-              else
+              if constexpr (split) {  // parts of kSplitTiles tiles, each's maxima in a stash row
+                const int first_part = sharer * parts;
+#pragma unroll 1
+                for (int h = 0; h < parts; ++h) {
+                  score_page<F, NT, W, kSplitTiles>(p, pr.kv, pr.ks, pr.limit, pr.full, cuts, q,
+                                                    q_smem, lut, lut8, g, c,
+                                                    (first_part + h) * kSplitTiles, val);
+                  keep(h, val);  // a split CTA's unit has one item
+                }
+              } else {
                 score_page<F, NT, W, kTilesPerPage>(p, pr.kv, pr.ks, pr.limit, pr.full, cuts, q,
                                                     q_smem, lut, lut8, g, c, 0, val);
-              done(x, val);
+                done(x, val);
+              }
             }
           }
           cp_syncwarp();
@@ -361,15 +385,15 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
         constexpr int kSlices = CP_WARP / (kVecsPerTile * NT);
         const int xv = lane % per_pass, slice = lane / per_pass;
         const VecOut o = vec_out(vs, i, v0 + xv, slice < kSlices);
-        const bool writer = !split || warp == 0;  // a split page's item is written once
+        const bool writer = !split || sharer == 0;  // a split page's item is written once
         for (int l0 = W ? warp : 0; writer && l0 < count; l0 += kSpan * kSlices) {
           const int l = l0 + kSpan * slice, src = l < count ? l : 0;
           const bool rd = cp_shfl_int(read, src), bd = cp_shfl_int(bad, src);
           if (l < count) {
             float val = rd ? stash[l][xv] : 0.f;
-            if (split && rd)  // the other warps' parts (warp w's stash: CP_GROUP_MAX rows on)
-              for (int w = 1; w < kWarpsPerCta; ++w)
-                val = fmaxf(val, stash[w * CP_GROUP_MAX + l][xv]);
+            if (split && rd)  // every part: warp w's rows start kStashRows rows on, l is 0
+              for (int r = 1; r < kWarpsPerCta; ++r)
+                val = fmaxf(val, stash[r / parts * kStashRows + r % parts][xv]);
             write_score(p, o, p.rank + (k0 + l) * p.world, k0 + l, len, bd, val);
           }
         }
@@ -437,30 +461,38 @@ int query_tiles(int vectors) {
 #endif
 }
 
-// The whole-page (or warpgroup) instance, or with split the split-page one where F has it.
+// The whole-page (or warpgroup) instance, or with split (warps per page, 4 or 2) the split-page
+// one where F has it. Each split is its own instance: a runtime split count cost the four-warp
+// instance 0.2-0.5 µs a call in registers and code (docs/BENCHMARKS.md).
 template <int F, int NT, bool W>
-int launch_nt(const ScoreParams& p, const PushState* push, bool split, int grid, void* stream) {
+int launch_nt(const ScoreParams& p, const PushState* push, int split, int grid, void* stream) {
   const PushState none = {};
   const auto stream_ = (cp_stream_t)stream;
   if constexpr (!W && kSplits<F>) {
-    if (split) {
-      score_kernel<F, NT, false, true><<<grid, kThreads, 0, stream_>>>(p, push ? *push : none);
+    if (split == kWarpsPerCta) {
+      score_kernel<F, NT, false, kWarpsPerCta><<<grid, kThreads, 0, stream_>>>(p, push ? *push : none);
       return (int)cp_get_last_error();
     }
+#if CP_SPLIT_PAIRS
+    if (split == 2) {
+      score_kernel<F, NT, false, 2><<<grid, kThreads, 0, stream_>>>(p, push ? *push : none);
+      return (int)cp_get_last_error();
+    }
+#endif
   }
-  score_kernel<F, NT, W, false><<<grid, kThreads, 0, stream_>>>(p, push ? *push : none);
+  score_kernel<F, NT, W, 0><<<grid, kThreads, 0, stream_>>>(p, push ? *push : none);
   return (int)cp_get_last_error();
 }
 
 template <int F>
-int launch_format(const ScoreParams& p, const PushState* push, bool wgmma, bool split, int grid,
+int launch_format(const ScoreParams& p, const PushState* push, bool wgmma, int split, int grid,
                   void* stream) {
   switch (query_tiles(p.query_len * p.num_heads)) {
     case 1: return launch_nt<F, 1, false>(p, push, split, grid, stream);
 #if CP_USE_MMA
     case 2: return launch_nt<F, 2, false>(p, push, split, grid, stream);
 #if CP_WGMMA
-    case 4: return wgmma ? launch_nt<F, 4, true>(p, push, false, grid, stream)
+    case 4: return wgmma ? launch_nt<F, 4, true>(p, push, 0, grid, stream)
                          : launch_nt<F, 4, false>(p, push, split, grid, stream);
 #else
     case 4: return (void)wgmma, launch_nt<F, 4, false>(p, push, split, grid, stream);
@@ -473,21 +505,25 @@ int launch_format(const ScoreParams& p, const PushState* push, bool wgmma, bool 
 // CTAs per SM of the instance launch_nt runs for the same arguments (a push grid must be
 // resident at once, so each instance's grid is sized on its own occupancy).
 template <int F, int NT, bool W>
-int occupancy_nt(bool split, int* ctas) {
+int occupancy_nt(int split, int* ctas) {
   if constexpr (!W && kSplits<F>) {
-    if (split) return (int)cp_occupancy(ctas, score_kernel<F, NT, false, true>, kThreads, 0);
+    if (split == kWarpsPerCta)
+      return (int)cp_occupancy(ctas, score_kernel<F, NT, false, kWarpsPerCta>, kThreads, 0);
+#if CP_SPLIT_PAIRS
+    if (split == 2) return (int)cp_occupancy(ctas, score_kernel<F, NT, false, 2>, kThreads, 0);
+#endif
   }
-  return (int)cp_occupancy(ctas, score_kernel<F, NT, W, false>, kThreads, 0);
+  return (int)cp_occupancy(ctas, score_kernel<F, NT, W, 0>, kThreads, 0);
 }
 
 template <int F>
-int occupancy_format(int vectors, bool wgmma, bool split, int* ctas) {
+int occupancy_format(int vectors, bool wgmma, int split, int* ctas) {
   switch (query_tiles(vectors)) {
     case 1: return occupancy_nt<F, 1, false>(split, ctas);
 #if CP_USE_MMA
     case 2: return occupancy_nt<F, 2, false>(split, ctas);
 #if CP_WGMMA
-    case 4: return wgmma ? occupancy_nt<F, 4, true>(false, ctas)
+    case 4: return wgmma ? occupancy_nt<F, 4, true>(0, ctas)
                          : occupancy_nt<F, 4, false>(split, ctas);
 #else
     case 4: return (void)wgmma, occupancy_nt<F, 4, false>(split, ctas);
@@ -499,7 +535,7 @@ int occupancy_format(int vectors, bool wgmma, bool split, int* ctas) {
 
 }  // namespace
 
-int launch_score(const ScoreParams& p, const PushState* push, int format, bool wgmma, bool split,
+int launch_score(const ScoreParams& p, const PushState* push, int format, bool wgmma, int split,
                  int grid, void* stream) {
   switch (format) {
     case kBF16: return launch_format<kBF16>(p, push, wgmma, split, grid, stream);
@@ -510,7 +546,7 @@ int launch_score(const ScoreParams& p, const PushState* push, int format, bool w
   }
 }
 
-int score_occupancy(int format, int vectors, bool wgmma, bool split, int* ctas_per_sm) {
+int score_occupancy(int format, int vectors, bool wgmma, int split, int* ctas_per_sm) {
   switch (format) {
     case kBF16: return occupancy_format<kBF16>(vectors, wgmma, split, ctas_per_sm);
     case kFP8: return occupancy_format<kFP8>(vectors, wgmma, split, ctas_per_sm);
@@ -522,13 +558,14 @@ int score_occupancy(int format, int vectors, bool wgmma, bool split, int* ctas_p
 
 bool score_has_wgmma(int vectors) { return CP_WGMMA && query_tiles(vectors) == 4; }
 
-bool score_splits_pages(int format) {
+int score_split_warps(int format) {
+  constexpr int kFewest = CP_SPLIT_PAIRS ? 2 : kWarpsPerCta;
   switch (format) {
-    case kBF16: return kSplits<kBF16>;
-    case kFP8: return kSplits<kFP8>;
-    case kNVFP4: return kSplits<kNVFP4>;
-    case kNVFP4Narrow: return kSplits<kNVFP4Narrow>;
-    default: return false;
+    case kBF16: return kSplits<kBF16> ? kFewest : 0;
+    case kFP8: return kSplits<kFP8> ? kFewest : 0;
+    case kNVFP4: return kSplits<kNVFP4> ? kFewest : 0;
+    case kNVFP4Narrow: return kSplits<kNVFP4Narrow> ? kFewest : 0;
+    default: return 0;
   }
 }
 
