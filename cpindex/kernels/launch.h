@@ -126,8 +126,8 @@ int score_occupancy(int format, int vectors, bool wgmma, int split, int* ctas_pe
 bool score_has_wgmma(int vectors);
 
 // The fewest warps this build's split-page instance for `format` shares a page among: 4 (a CTA
-// per item) or 2 (two items a CTA; CP_SPLIT_PAIRS); 0 where it has none. The launcher takes
-// the most warps per page whose CTAs fit the grid at once.
+// per item) or 2 (two items a CTA; CP_SPLIT_PAIRS, not the ring formats); 0 where it has none.
+// The launcher takes the most warps per page whose CTAs fit the grid at once.
 int score_split_warps(int format);
 
 }  // namespace cpindex

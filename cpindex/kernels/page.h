@@ -111,31 +111,63 @@ struct PageRef {
 };
 
 #if CP_SMEM_ON
-// A stream of m pages through a per-warp ring of kStages tiles in shared memory: tile t +
-// kStages - 1 is in flight while tile t is scored, across page boundaries too, so a warp's next
-// page is already arriving while it finishes the current one. A tile's 16 rows hold its tokens
-// in order, 16-byte chunk x of row r stored at chunk x ^ (r % 8), so that ldmatrix's 8 rows hit
-// 8 different banks. page_of(r) gives page r (a warp-wide call); done(r, val) takes its maxima.
+// bf16 and fp8 keys reach the mma through a per-warp ring of kStages tiles in shared memory. A
+// tile's 16 rows hold its tokens in order, 16-byte chunk x of row r stored at chunk x ^ (r % 8),
+// so that ldmatrix's 8 rows hit 8 different banks.
 template <int F>
 constexpr int kTileBytes = kTileTokens * Fmt<F>::kTokenBytes;
 template <int F>
 constexpr int kStages = Fmt<F>::kRing ? CP_SMEM_RING / kTileBytes<F> : 0;
 
+// Tile t of a page into a ring slot: 512 contiguous bytes per instruction.
+template <int F>
+CP_DEVICE void issue_tile(uint32_t slot, const uint8_t* page, int t, int lane) {
+  constexpr int kRow = Fmt<F>::kTokenBytes, kChunks = kRow / 16;
+#pragma unroll
+  for (int i = 0; i < kTileBytes<F> / (16 * CP_WARP); ++i) {
+    const int id = lane + CP_WARP * i, r = id / kChunks, x = id % kChunks;
+    cp_async16(slot + r * kRow + ((x ^ (r & 7)) << 4), page + t * kTileBytes<F> + id * 16);
+  }
+}
+
+// A tile's keys from its ring slot, paired as the mma takes them. ldmatrix rows: lanes 0-7 and
+// 16-23 read tokens 0-7, lanes 8-15 and 24-31 tokens 8-15; lanes 16-31 read the chunk after
+// lanes 0-15's.
+template <int F>
+CP_DEVICE void read_tile(uint32_t slot, int lane, uint32_t (&k0)[16], uint32_t (&k1)[16]) {
+  constexpr int kRow = Fmt<F>::kTokenBytes, kChunks = kRow / 16;
+  const int r = (lane & 7) + (lane & 8), hi = lane >> 4;
+  const uint32_t row = slot + r * kRow;
+#pragma unroll
+  for (int u = 0; u < kChunks / 2; ++u) {  // chunks 2u, 2u + 1 of tokens 0-15
+    uint32_t x[4];
+    cp_ldmatrix_x4(row + (((2 * u + hi) ^ (r & 7)) << 4), x);
+    if constexpr (Fmt<F>::kBf16) {  // one k-step: pairs 2u, 2u + 1
+      k0[2 * u] = x[0], k1[2 * u] = x[1], k0[2 * u + 1] = x[2], k1[2 * u + 1] = x[3];
+    } else {  // two k-steps: pairs 4u .. 4u + 3, each word four e4m3 values
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {  // x[w]: tokens 0-7 (k0) or 8-15 (k1), chunk 2u + w / 2
+        uint32_t(&k)[16] = (w & 1) ? k1 : k0;
+        cp_e4m3x4_to_f16x2x2(x[w], k[4 * u + 2 * (w >> 1)], k[4 * u + 2 * (w >> 1) + 1]);
+      }
+    }
+  }
+}
+
+// A stream of m pages through the ring: tile t + kStages - 1 is in flight while tile t is
+// scored, across page boundaries too, so a warp's next page is already arriving while it
+// finishes the current one. page_of(r) gives page r (a warp-wide call); done(r, val) takes its
+// maxima.
 template <int F, int NT, bool W, typename PageOf, typename Done>
 CP_DEVICE void score_pages_smem(const ScoreParams& p, int m, PageOf page_of, const Cuts<NT>& cuts,
                                 const QueryFrag<NT, W>& q, int g, int c, uint8_t* ring, Done done) {
-  constexpr int S = kStages<F>, kRow = Fmt<F>::kTokenBytes, kChunks = kRow / 16;
+  constexpr int S = kStages<F>;
   // A page's tiles fill whole turns of the ring, so tile t of any page sits in slot t % S.
   static_assert(S >= 2 && kTilesPerPage % S == 0, "the ring must divide a page");
   const int lane = 4 * g + c;
   const uint32_t ring_addr = cp_smem_addr(ring);
-  auto issue = [&](const uint8_t* page, int t) {  // tile t: 512 contiguous bytes per instruction
-    const uint32_t slot = ring_addr + (t % S) * kTileBytes<F>;
-#pragma unroll
-    for (int i = 0; i < kTileBytes<F> / (16 * CP_WARP); ++i) {
-      const int id = lane + CP_WARP * i, r = id / kChunks, x = id % kChunks;
-      cp_async16(slot + r * kRow + ((x ^ (r & 7)) << 4), page + t * kTileBytes<F> + id * 16);
-    }
+  auto issue = [&](const uint8_t* page, int t) {
+    issue_tile<F>(ring_addr + (t % S) * kTileBytes<F>, page, t, lane);
   };
   PageRef cur = page_of(0);
 #pragma unroll
@@ -143,9 +175,6 @@ CP_DEVICE void score_pages_smem(const ScoreParams& p, int m, PageOf page_of, con
     issue(cur.kv, t);
     cp_async_commit();
   }
-  // ldmatrix rows: lanes 0-7 and 16-23 read tokens 0-7, lanes 8-15 and 24-31 tokens 8-15;
-  // lanes 16-31 read the chunk after lanes 0-15's.
-  const int r = (lane & 7) + (lane & 8), hi = lane >> 4;
   for (int pg = 0; pg < m; ++pg) {
     const PageRef next = pg + 1 < m ? page_of(pg + 1) : PageRef{nullptr, nullptr, 0, false};
     float mx[NT][4];
@@ -157,22 +186,8 @@ CP_DEVICE void score_pages_smem(const ScoreParams& p, int m, PageOf page_of, con
       cp_async_commit();  // possibly empty: keeps "S - 1 groups after tile t" true
       cp_async_wait<S - 1>();
       cp_syncwarp();  // every lane's copies of tile t are visible to every lane
-      const uint32_t slot = ring_addr + (t % S) * kTileBytes<F> + r * kRow;
       uint32_t k0[16], k1[16];
-#pragma unroll
-      for (int u = 0; u < kChunks / 2; ++u) {  // chunks 2u, 2u + 1 of tokens 0-15
-        uint32_t x[4];
-        cp_ldmatrix_x4(slot + (((2 * u + hi) ^ (r & 7)) << 4), x);
-        if constexpr (Fmt<F>::kBf16) {  // one k-step: pairs 2u, 2u + 1
-          k0[2 * u] = x[0], k1[2 * u] = x[1], k0[2 * u + 1] = x[2], k1[2 * u + 1] = x[3];
-        } else {  // two k-steps: pairs 4u .. 4u + 3, each word four e4m3 values
-#pragma unroll
-          for (int w = 0; w < 4; ++w) {  // x[w]: tokens 0-7 (k0) or 8-15 (k1), chunk 2u + w / 2
-            uint32_t(&k)[16] = (w & 1) ? k1 : k0;
-            cp_e4m3x4_to_f16x2x2(x[w], k[4 * u + 2 * (w >> 1)], k[4 * u + 2 * (w >> 1) + 1]);
-          }
-        }
-      }
+      read_tile<F>(ring_addr + (t % S) * kTileBytes<F>, lane, k0, k1);
       cp_syncwarp();  // slot t % S is read before a later tile refills it
       float acc[NT][4];
       tile_dot<F, NT, W>(k0, k1, q, nullptr, c, acc);
@@ -183,6 +198,36 @@ CP_DEVICE void score_pages_smem(const ScoreParams& p, int m, PageOf page_of, con
     done(pg, val);
     cur = next;
   }
+}
+
+// kTiles tiles of a page from tile t_first: a warp's part of a split page. The part fits the
+// ring, so all its tiles are in flight at once (a split call has few pages: what it waits for is
+// their round trip, not their bytes).
+template <int F, int NT, bool W, int kTiles>
+CP_DEVICE void score_part_smem(const ScoreParams& p, const PageRef& pr, const Cuts<NT>& cuts,
+                               const QueryFrag<NT, W>& q, int g, int c, uint8_t* ring, int t_first,
+                               float (&val)[NT][2]) {
+  static_assert(kTiles * kTileBytes<F> <= CP_SMEM_RING, "a split page's part fits the ring");
+  const int lane = 4 * g + c;
+  const uint32_t ring_addr = cp_smem_addr(ring);
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t)
+    issue_tile<F>(ring_addr + t * kTileBytes<F>, pr.kv, t_first + t, lane);
+  cp_async_commit();
+  cp_async_wait<0>();
+  cp_syncwarp();  // every lane's copies are visible to every lane
+  float m[NT][4];
+  init_max(m);
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t) {
+    uint32_t k0[16], k1[16];
+    read_tile<F>(ring_addr + t * kTileBytes<F>, lane, k0, k1);
+    float acc[NT][4];
+    tile_dot<F, NT, W>(k0, k1, q, nullptr, c, acc);
+    keep_max<NT, false>(m, acc, (t_first + t) * kTileTokens + g, pr.limit, pr.full, cuts);
+  }
+  cp_syncwarp();  // the ring is read before this warp's next part refills it
+  finish_page<NT>(p, m, val);
 }
 #endif
 

@@ -95,11 +95,18 @@ constexpr int kMinCtas = S && CP_SPLIT_CTAS ? CP_SPLIT_CTAS
 template <int F, int NT>
 constexpr int kGroupMax = Fmt<F>::kRing && NT < 4 ? 1 : CP_GROUP_MAX;
 
-// Whether the build has split-page instances (S below) for a format: where a page's loop is
-// bound by its math (nvfp4's decode, the portable path's scalar dots). The ring formats stream
-// whole pages: split, they measured slower (docs/BENCHMARKS.md).
+// Whether the build has split-page instances (S below) for a format: every format, the ring
+// formats (bf16 and fp8 on tensor cores) with CP_SPLIT_RING. Their split warps load their part
+// of a page into the ring at once (score_part_smem), and they split over four warps only: at
+// the largest calls that split four ways (512 items) they were already at parity with whole
+// pages, which keep a page's loads in flight through the ring (docs/BENCHMARKS.md).
 template <int F>
-constexpr bool kSplits = CP_SPLIT_PAGES && !Fmt<F>::kRing;
+constexpr bool kSplits = CP_SPLIT_PAGES && (!Fmt<F>::kRing || CP_SPLIT_RING);
+// The fewest warps a page of F splits over (0: the build does not split F's pages).
+template <int F>
+constexpr int kSplitFewest = !kSplits<F>                        ? 0
+                             : Fmt<F>::kRing || !CP_SPLIT_PAIRS ? kWarpsPerCta
+                                                                : 2;
 
 // ---- the kernel ---------------------------------------------------------------------------------
 // NT: query n-tiles per pass (tensor cores; 1 on the portable path). A request with more than
@@ -353,7 +360,7 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
             keep(cp_shfl_int(mine, r), val);
           };
 #if CP_SMEM_ON
-          if constexpr (kStages<F> > 0) {
+          if constexpr (kStages<F> > 0 && !split) {
             score_pages_smem<F, NT, W>(p, streamed, page_of, cuts, q, g, c, ring, done);
           } else
 #endif
@@ -365,9 +372,14 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
                 const int first_part = sharer * parts;
 #pragma unroll 1
                 for (int h = 0; h < parts; ++h) {
-                  score_page<F, NT, W, kSplitTiles>(p, pr.kv, pr.ks, pr.limit, pr.full, cuts, q,
-                                                    q_smem, lut, lut8, g, c,
-                                                    (first_part + h) * kSplitTiles, val);
+                  const int t0 = (first_part + h) * kSplitTiles;
+#if CP_SMEM_ON
+                  if constexpr (kStages<F> > 0)
+                    score_part_smem<F, NT, W, kSplitTiles>(p, pr, cuts, q, g, c, ring, t0, val);
+                  else
+#endif
+                    score_page<F, NT, W, kSplitTiles>(p, pr.kv, pr.ks, pr.limit, pr.full, cuts,
+                                                      q, q_smem, lut, lut8, g, c, t0, val);
                   keep(h, val);  // a split CTA's unit has one item
                 }
               } else {
@@ -473,12 +485,12 @@ int launch_nt(const ScoreParams& p, const PushState* push, int split, int grid, 
       score_kernel<F, NT, false, kWarpsPerCta><<<grid, kThreads, 0, stream_>>>(p, push ? *push : none);
       return (int)cp_get_last_error();
     }
-#if CP_SPLIT_PAIRS
-    if (split == 2) {
-      score_kernel<F, NT, false, 2><<<grid, kThreads, 0, stream_>>>(p, push ? *push : none);
-      return (int)cp_get_last_error();
+    if constexpr (kSplitFewest<F> == 2) {
+      if (split == 2) {
+        score_kernel<F, NT, false, 2><<<grid, kThreads, 0, stream_>>>(p, push ? *push : none);
+        return (int)cp_get_last_error();
+      }
     }
-#endif
   }
   score_kernel<F, NT, W, 0><<<grid, kThreads, 0, stream_>>>(p, push ? *push : none);
   return (int)cp_get_last_error();
@@ -509,9 +521,9 @@ int occupancy_nt(int split, int* ctas) {
   if constexpr (!W && kSplits<F>) {
     if (split == kWarpsPerCta)
       return (int)cp_occupancy(ctas, score_kernel<F, NT, false, kWarpsPerCta>, kThreads, 0);
-#if CP_SPLIT_PAIRS
-    if (split == 2) return (int)cp_occupancy(ctas, score_kernel<F, NT, false, 2>, kThreads, 0);
-#endif
+    if constexpr (kSplitFewest<F> == 2) {
+      if (split == 2) return (int)cp_occupancy(ctas, score_kernel<F, NT, false, 2>, kThreads, 0);
+    }
   }
   return (int)cp_occupancy(ctas, score_kernel<F, NT, W, 0>, kThreads, 0);
 }
@@ -559,12 +571,11 @@ int score_occupancy(int format, int vectors, bool wgmma, int split, int* ctas_pe
 bool score_has_wgmma(int vectors) { return CP_WGMMA && query_tiles(vectors) == 4; }
 
 int score_split_warps(int format) {
-  constexpr int kFewest = CP_SPLIT_PAIRS ? 2 : kWarpsPerCta;
   switch (format) {
-    case kBF16: return kSplits<kBF16> ? kFewest : 0;
-    case kFP8: return kSplits<kFP8> ? kFewest : 0;
-    case kNVFP4: return kSplits<kNVFP4> ? kFewest : 0;
-    case kNVFP4Narrow: return kSplits<kNVFP4Narrow> ? kFewest : 0;
+    case kBF16: return kSplitFewest<kBF16>;
+    case kFP8: return kSplitFewest<kFP8>;
+    case kNVFP4: return kSplitFewest<kNVFP4>;
+    case kNVFP4Narrow: return kSplitFewest<kNVFP4Narrow>;
     default: return 0;
   }
 }
