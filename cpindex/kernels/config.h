@@ -40,7 +40,9 @@
 #ifndef CP_WG_CTAS  // the same for the warpgroup-mma instances (0: 3 for bf16, 4 otherwise)
 #define CP_WG_CTAS 0
 #endif
-#ifndef CP_SPLIT_RING  // small calls split bf16/fp8 pages too, four warps a page (0: whole pages)
+// small calls split bf16/fp8 pages too, four warps a page (0: whole pages; 2: two warps a page as
+// well, for calls a CTA per item does not fit)
+#ifndef CP_SPLIT_RING
 #define CP_SPLIT_RING 1
 #endif
 #ifndef CP_SPLIT_PAIRS  // calls too large for a CTA per item: two warps a page (0: only four)

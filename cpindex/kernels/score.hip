@@ -97,16 +97,17 @@ constexpr int kGroupMax = Fmt<F>::kRing && NT < 4 ? 1 : CP_GROUP_MAX;
 
 // Whether the build has split-page instances (S below) for a format: every format, the ring
 // formats (bf16 and fp8 on tensor cores) with CP_SPLIT_RING. Their split warps load their part
-// of a page into the ring at once (score_part_smem), and they split over four warps only: at
-// the largest calls that split four ways (512 items) they were already at parity with whole
-// pages, which keep a page's loads in flight through the ring (docs/BENCHMARKS.md).
+// of a page into the ring at once (score_part_smem). By default they split over four warps
+// only (CP_SPLIT_RING=2 adds the two-warp halves), the split that was timed against their whole
+// pages (docs/BENCHMARKS.md).
 template <int F>
 constexpr bool kSplits = CP_SPLIT_PAGES && (!Fmt<F>::kRing || CP_SPLIT_RING);
 // The fewest warps a page of F splits over (0: the build does not split F's pages).
 template <int F>
-constexpr int kSplitFewest = !kSplits<F>                        ? 0
-                             : Fmt<F>::kRing || !CP_SPLIT_PAIRS ? kWarpsPerCta
-                                                                : 2;
+constexpr int kSplitFewest = !kSplits<F> ? 0
+                             : !CP_SPLIT_PAIRS || (Fmt<F>::kRing && CP_SPLIT_RING < 2)
+                                 ? kWarpsPerCta
+                                 : 2;
 
 // ---- the kernel ---------------------------------------------------------------------------------
 // NT: query n-tiles per pass (tensor cores; 1 on the portable path). A request with more than
