@@ -159,8 +159,8 @@ def test_nvfp4_pair_equals_product_layout():
     assert torch.equal(a, b)
 
 
-# (format, portable build): the instances that split pages (every format; bf16 and fp8 on
-# tensor cores over four warps only)
+# (format, portable build): the instances that split pages (every format, over four warps or
+# two)
 SPLITTING = [
     ("nvfp4", False),
     ("nvfp4-vllm", False),

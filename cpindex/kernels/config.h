@@ -40,16 +40,19 @@
 #ifndef CP_WG_CTAS  // the same for the warpgroup-mma instances (0: 3 for bf16, 4 otherwise)
 #define CP_WG_CTAS 0
 #endif
-// small calls split bf16/fp8 pages too, four warps a page (0: whole pages; 2: two warps a page as
-// well, for calls a CTA per item does not fit)
+// small calls split bf16/fp8 pages too, over four warps or (calls a CTA per item does not fit)
+// two (0: whole pages; 1: four warps only)
 #ifndef CP_SPLIT_RING
-#define CP_SPLIT_RING 1
+#define CP_SPLIT_RING 2
 #endif
 #ifndef CP_SPLIT_PAIRS  // calls too large for a CTA per item: two warps a page (0: only four)
 #define CP_SPLIT_PAIRS 1
 #endif
 #ifndef CP_SPLIT_CTAS  // the same for the split-page instances (0: the whole-page instances')
 #define CP_SPLIT_CTAS 0
+#endif
+#ifndef CP_SELECT_WAIT_ALL  // 1: every CTA of a selecting call waits for the peers (0: mergers only)
+#define CP_SELECT_WAIT_ALL 0
 #endif
 #ifndef CP_LOCAL_FAILED_CHECK  // 1: a local call checks the error word first too (measurement)
 #define CP_LOCAL_FAILED_CHECK 0

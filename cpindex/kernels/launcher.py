@@ -29,7 +29,8 @@ WGMMA_MIN_ITEMS_PER_SM = 32
 # once splits each page over several warps of a CTA (score.hip, kSplits): a small call has more
 # warps loading and decoding. The warps per page, most first: a call takes the first whose CTAs
 # (4 / warps items each) fit the split instance's resident grid and that the build has (only 4
-# for bf16 and fp8 on tensor cores, and in CP_SPLIT_PAIRS=0 builds). () keeps a warp per item.
+# in CP_SPLIT_PAIRS=0 builds, and for bf16 and fp8 on tensor cores in CP_SPLIT_RING=1 builds).
+# () keeps a warp per item.
 SPLIT_WARPS: tuple[int, ...] = (4, 2)
 WARPS_PER_CTA = 4
 

@@ -97,9 +97,8 @@ constexpr int kGroupMax = Fmt<F>::kRing && NT < 4 ? 1 : CP_GROUP_MAX;
 
 // Whether the build has split-page instances (S below) for a format: every format, the ring
 // formats (bf16 and fp8 on tensor cores) with CP_SPLIT_RING. Their split warps load their part
-// of a page into the ring at once (score_part_smem). By default they split over four warps
-// only (CP_SPLIT_RING=2 adds the two-warp halves), the split that was timed against their whole
-// pages (docs/BENCHMARKS.md).
+// of a page into the ring at once (score_part_smem), over four warps or two (CP_SPLIT_RING=1:
+// four only), each timed against their whole pages (docs/BENCHMARKS.md).
 template <int F>
 constexpr bool kSplits = CP_SPLIT_PAGES && (!Fmt<F>::kRing || CP_SPLIT_RING);
 // The fewest warps a page of F splits over (0: the build does not split F's pages).
@@ -426,17 +425,20 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
     if (!cta_failed) select_local(p);
     CP_PHASE(4);
   }
-  // Completion: the last CTA to finish signals every peer; it (or, when selecting, every CTA,
-  // which then merges) waits for every peer's signal.
+  // Completion: the last CTA to finish signals every peer; it (and, when selecting, every CTA
+  // with candidates to merge) waits for every peer's signal.
   cp_fence_sys();
   __syncthreads();
   if (threadIdx.x == 0) is_last = atomicAdd(ps.ticket, 1u) == gridDim.x - 1;
   __syncthreads();
   CP_PHASE(5);
+  const int64_t merges = (int64_t)p.requests * p.query_len * p.heads_per_rank;  // warps' items
+  const bool merger =
+      select && (CP_SELECT_WAIT_ALL || (int64_t)blockIdx.x * kWarpsPerCta < merges);
 #if defined(CP_PHASE_TRACE) && !defined(CP_HIP)
-  if (!is_last && !select) print_trace();
+  if (!is_last && !merger) print_trace();
 #endif
-  if (!is_last && !select) return;
+  if (!is_last && !merger) return;
   if (is_last) cp_fence_sys();  // every CTA's writes (seen through the ticket) before the release
   if (!handshake_failed(p)) {
     if (is_last && (int)threadIdx.x < p.world)
@@ -448,7 +450,7 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   }
   __syncthreads();
   CP_PHASE(6);
-  if (select && !cta_failed && !handshake_failed(p)) merge_candidates(p);
+  if (merger && !cta_failed && !handshake_failed(p)) merge_candidates(p);
   CP_PHASE(7);
 #if defined(CP_PHASE_TRACE) && !defined(CP_HIP)
   print_trace();
