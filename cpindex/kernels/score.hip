@@ -432,7 +432,8 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   if (threadIdx.x == 0) is_last = atomicAdd(ps.ticket, 1u) == gridDim.x - 1;
   __syncthreads();
   CP_PHASE(5);
-  const int64_t merges = (int64_t)p.requests * p.query_len * p.heads_per_rank;  // warps' items
+  // merge_candidates' items, a warp each over the grid: the CTAs past them have none to wait for
+  const int64_t merges = (int64_t)p.requests * p.query_len * p.heads_per_rank;
   const bool merger =
       select && (CP_SELECT_WAIT_ALL || (int64_t)blockIdx.x * kWarpsPerCta < merges);
 #if defined(CP_PHASE_TRACE) && !defined(CP_HIP)

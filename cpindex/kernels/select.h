@@ -173,7 +173,9 @@ CP_DEVICE void select_local(const ScoreParams& p) {
 
 // Phase 2, on each owner once every rank's candidates are here: the top k of the W * k per
 // (row, own head), as block ids ascending (-1 after them) and their scores. A picked key's
-// place is the number of picked keys with a lower id, counted like the ranks.
+// place is the number of picked keys with a lower id, counted like the ranks. A warp per item
+// over the grid: score_kernel lets only CTAs with an item (b * kWarpsPerCta < items) wait for
+// the peers, so a change to this distribution changes that test too.
 CP_DEVICE void merge_candidates(const ScoreParams& p) {
   const int lane = threadIdx.x % CP_WARP, warp = threadIdx.x / CP_WARP;
   const int rows = p.requests * p.query_len, k = p.topk;
