@@ -57,7 +57,8 @@ shift
 # Absolute paths before moving to the repository root, so relative ones mean the caller's.
 mkdir -p "$RESULTS" && RESULTS=$(cd "$RESULTS" && pwd) || exit 1
 if [ -n "$WHEELS" ]; then
-  WHEELS=$(cd "$WHEELS" && pwd) || { echo "-w: no folder $WHEELS" >&2; exit 2; }
+  [ -d "$WHEELS" ] || { echo "-w: no folder $WHEELS" >&2; exit 2; }
+  WHEELS=$(cd "$WHEELS" && pwd) || exit 2
 fi
 cd "$(dirname "$0")/.." || exit 1
 PY=${PYTHON:-python3}
