@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from . import formats, lockstep
+from .comm import Comm, TorchComm
 from .config import CPIndexConfig
 from .errors import (
     BadBlockTableError,
@@ -23,7 +24,6 @@ from .errors import (
 )
 from .transports import Context, candidates, select
 from .validation import Call, check_call, check_topk
-from .world import Comm, TorchComm
 
 R = TypeVar("R")
 

@@ -15,8 +15,10 @@ import torch
 
 from . import formats, partition, reference, testing
 from .api import IndexCP
+from .comm import Comm, TorchComm
 from .config import CPIndexConfig
-from .world import Comm, TorchComm, run_threads, spawn_processes
+from .spawn import spawn_processes
+from .world import run_threads
 
 
 @dataclass

@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
+from .comm import CollectiveFailed, CollectiveTimeout, Comm
 from .errors import OutOfStepError, PeerConnectionError, PeerTimeoutError
 from .validation import Call
-from .world import CollectiveFailed, CollectiveTimeout, Comm
 
 #: Header fields, in the order a mismatch is reported (the first that differs explains best).
 HEADER_FIELDS = (

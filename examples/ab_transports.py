@@ -22,7 +22,9 @@ os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")  # before CUDA starts (doc
 import torch
 
 from cpindex import CPIndexConfig, IndexCP, TransportUnavailable, partition, reference, testing
-from cpindex.world import Comm, TorchComm, run_threads, spawn_processes
+from cpindex.comm import Comm, TorchComm
+from cpindex.spawn import spawn_processes
+from cpindex.world import run_threads
 
 TRANSPORTS = ["ipc", "mori", "collective", "auto"]
 

@@ -33,7 +33,7 @@ import torch
 
 import cpindex
 from cpindex import formats, partition, reference
-from cpindex.world import spawn_processes
+from cpindex.spawn import spawn_processes
 
 T = 4  # query tokens per request per step
 REQUESTS = 3

@@ -9,7 +9,9 @@ from typing import Any
 
 import torch
 
-from cpindex.world import Comm, run_threads, spawn_processes
+from cpindex.comm import Comm
+from cpindex.spawn import spawn_processes
+from cpindex.world import run_threads
 
 
 class Worlds:

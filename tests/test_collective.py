@@ -22,7 +22,8 @@ from _worlds import Worlds
 import cpindex
 from cpindex import partition, reference, testing
 from cpindex.config import CPIndexConfig
-from cpindex.world import run_threads, spawn_processes
+from cpindex.spawn import spawn_processes
+from cpindex.world import run_threads
 
 MAX_ROWS, MAX_WIDTH = 8, 24
 

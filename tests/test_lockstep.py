@@ -30,8 +30,10 @@ from _worlds import Worlds
 
 import cpindex
 from cpindex import lockstep, partition, reference, testing
+from cpindex.comm import Comm, TorchComm
 from cpindex.config import CPIndexConfig
-from cpindex.world import Comm, TorchComm, run_threads, spawn_processes
+from cpindex.spawn import spawn_processes
+from cpindex.world import run_threads
 
 TIMEOUT = 1.0  # config.timeout_s of the scenarios that wait for a late rank
 SLACK = 1.5  # what a bounded wait may take past its timeout_s (store round trips, scheduling)

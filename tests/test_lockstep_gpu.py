@@ -27,7 +27,8 @@ from cpindex import (
     PeerTimeoutError,
     testing,
 )
-from cpindex.world import Comm, run_threads
+from cpindex.comm import Comm
+from cpindex.world import run_threads
 
 pytestmark = [needs_gpu, pytest.mark.gpu]
 DEV = "cuda:0"

@@ -560,7 +560,7 @@ def _mori_application_rank(rank: int, world: int) -> None:
 @pytest.mark.multigpu
 @_needs_mori_gpus(2)
 def test_contract_over_mori():
-    from cpindex.world import spawn_processes
+    from cpindex.spawn import spawn_processes
 
     spawn_processes(2, _mori_contract_rank, backend="nccl")
 
@@ -569,7 +569,7 @@ def test_contract_over_mori():
 @pytest.mark.multigpu
 @_needs_mori_gpus(3)
 def test_mori_over_a_group_without_global_rank_0():
-    from cpindex.world import spawn_processes
+    from cpindex.spawn import spawn_processes
 
     spawn_processes(3, _mori_subgroup_rank, backend="nccl")
 
@@ -578,6 +578,6 @@ def test_mori_over_a_group_without_global_rank_0():
 @pytest.mark.multigpu
 @_needs_mori_gpus(2)
 def test_mori_leaves_the_applications_mori_initialised():
-    from cpindex.world import spawn_processes
+    from cpindex.spawn import spawn_processes
 
     spawn_processes(2, _mori_application_rank, backend="nccl")

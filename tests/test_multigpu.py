@@ -14,7 +14,7 @@ import torch
 from _gpu import assert_scores, expected, for_rank
 
 from cpindex import CPIndexConfig, IndexCP, PeerTimeoutError, testing
-from cpindex.world import spawn_processes
+from cpindex.spawn import spawn_processes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 

@@ -18,8 +18,9 @@ import torch
 from _gpu import FORMATS, force_warpgroup_mma, kernel_copy, needs_gpu, unambiguous
 
 from cpindex import CPIndexConfig, IndexCP, reference, selection, testing
+from cpindex.comm import Comm
 from cpindex.kernels import structs
-from cpindex.world import Comm, run_threads
+from cpindex.world import run_threads
 
 pytestmark = [needs_gpu, pytest.mark.gpu]
 DEV = "cuda:0"

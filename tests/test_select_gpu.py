@@ -19,7 +19,8 @@ import torch
 from _gpu import FORMATS, kernel_copy, needs_gpu, unambiguous
 
 from cpindex import CPIndexConfig, IndexCP, reference, selection, testing
-from cpindex.world import Comm, in_turn, run_threads
+from cpindex.comm import Comm
+from cpindex.world import in_turn, run_threads
 
 pytestmark = [needs_gpu, pytest.mark.gpu]
 DEV = "cuda:0"

@@ -28,8 +28,10 @@ from _gpu import (
 )
 
 from cpindex import CPIndexConfig, IndexCP, OutOfStepError, PeerTimeoutError, testing
+from cpindex.comm import Comm
 from cpindex.kernels import launcher
-from cpindex.world import Comm, in_turn, run_threads, spawn_processes
+from cpindex.spawn import spawn_processes
+from cpindex.world import in_turn, run_threads
 
 pytestmark = [needs_gpu, pytest.mark.gpu]
 DEV = "cuda:0"

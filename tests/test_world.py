@@ -10,7 +10,8 @@ import time
 import pytest
 import torch
 
-from cpindex.world import CollectiveTimeout, in_turn, run_threads
+from cpindex.comm import CollectiveTimeout
+from cpindex.world import in_turn, run_threads
 
 
 def test_in_turn_runs_one_rank_at_a_time_in_rank_order():

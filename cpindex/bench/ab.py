@@ -20,8 +20,10 @@ import torch
 
 from .. import formats, ops, partition, reference, testing  # noqa: F401  (ops: registers the op)
 from ..api import IndexCP
+from ..comm import Comm, TorchComm
 from ..config import CPIndexConfig
-from ..world import Comm, TorchComm, run_threads, spawn_processes
+from ..spawn import spawn_processes
+from ..world import run_threads
 from . import kernel_sweep
 from .timing import (
     copy_bandwidth_gbs,

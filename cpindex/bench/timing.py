@@ -9,7 +9,8 @@ from collections.abc import Callable
 import torch
 
 from .. import formats
-from ..world import Comm, in_turn
+from ..comm import Comm
+from ..world import in_turn
 
 
 def summarize(ms: list[float]) -> dict[str, float]:

@@ -18,10 +18,10 @@ from typing import ClassVar
 import torch
 
 from .. import selection
+from ..comm import Comm
 from ..config import CPIndexConfig
 from ..errors import TransportUnavailable
 from ..validation import Call
-from ..world import Comm
 
 log = logging.getLogger("cpindex")
 

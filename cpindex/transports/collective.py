@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 
 from .. import formats, partition, reference, selection
+from ..comm import CollectiveFailed, CollectiveTimeout
 from ..errors import PeerConnectionError, PeerTimeoutError
 from ..kernels.launcher import ErrorMonitor, KernelScorer
 from ..validation import Call
-from ..world import CollectiveFailed, CollectiveTimeout
 from .base import Context, Transport, register
 
 
