@@ -18,6 +18,7 @@ work is done by one wrapped :class:`cpindex.IndexCP` (``.cp``), which validates 
 
 from __future__ import annotations
 
+import operator
 import warnings
 from typing import Any
 
@@ -60,8 +61,8 @@ class IndexCP:
             ``"cpu"``).
         max_rows: most query rows (``requests * T``) of one call.
         max_width: most score columns (blocks) of one call.
-        comm: instead of ``group``, a :class:`cpindex.world.Comm`: the one-process world of
-            :func:`cpindex.world.run_threads` passes its per-thread comm this way.
+        comm: instead of ``group``, a cpindex ``Comm``: the one-process world of
+            :func:`cpindex.world.run_threads` passes its per-thread ``ThreadComm`` this way.
 
     The configuration is ``CPIndexConfig.from_env(num_heads=W, max_rows=max_rows,
     max_width=max_width)``: those three come from here whatever the environment says, every
@@ -83,8 +84,9 @@ class IndexCP:
         *,
         comm: Any = None,
     ) -> None:
-        if isinstance(rank, bool) or not isinstance(rank, int):
+        if isinstance(rank, bool) or not hasattr(rank, "__index__"):
             raise TypeError(f"rank: expected an int, got {type(rank).__name__}")
+        rank = operator.index(rank)
         actual = _rank_of(group, comm)
         if rank != actual:
             raise ValueError(
