@@ -43,6 +43,15 @@ def test_ab_transports():
         assert any(ln.split()[:2] == ["ipc", "unavailable:"] for ln in lines), res.stdout
 
 
+def test_vllm_swap():
+    res = _run("vllm_swap.py", "--world", "2", "--steps", "3")
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    steps = [ln for ln in res.stdout.splitlines() if ln.startswith("step ")]
+    assert len(steps) == 3, res.stdout
+    assert all("3 requests x 4 rows" in ln and "matches the reference" in ln for ln in steps)
+    assert "every rank matched the reference at every step" in res.stdout
+
+
 def _gpus() -> int:
     import torch
 
@@ -51,4 +60,8 @@ def _gpus() -> int:
 
 def test_examples_are_listed():
     """Every example is exercised above."""
-    assert sorted(p.name for p in EXAMPLES.glob("*.py")) == ["ab_transports.py", "decode_step.py"]
+    assert sorted(p.name for p in EXAMPLES.glob("*.py")) == [
+        "ab_transports.py",
+        "decode_step.py",
+        "vllm_swap.py",
+    ]

@@ -1,0 +1,349 @@
+"""``cpindex.vllm``, the drop-in for the seed's ``IndexCP``: real gloo process groups of 2 and 4
+ranks (heads = ranks), plus the one-process world's ``comm=`` path on the CPU.
+
+Four gloo processes are started once (module cache): they run every case on two groups of 2
+ranks at once, then on the world group of 4. Each rank saves clones of its outputs and what it
+observed, and the checks run here. On the CPU the collective
+transport scores with the reference itself, so outputs must equal ``cpindex.reference`` exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import traceback
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from _worlds import Worlds
+
+import cpindex
+from cpindex import formats, reference, testing
+from cpindex import vllm as dropin
+from cpindex.world import run_threads
+
+MAX_ROWS, MAX_WIDTH = 32, 12
+REQUESTS, MAX_LEN = 3, 1000
+# (name, T, iq as [rows, 128], init_blocks, local_blocks, seed)
+SCORE_CASES = [
+    ("T1/3d", 1, False, 0, 1, 1),
+    ("T1/2d", 1, True, 1, 1, 2),
+    ("T4/3d", 4, False, 0, 1, 3),
+    ("T4/2d", 4, True, 2, 3, 4),
+    ("T8/3d", 8, False, 0, 1, 5),
+    ("T8/2d", 8, True, 1, 2, 6),
+]
+TAGGED = "tag" in inspect.signature(cpindex.IndexCP.score_push).parameters
+
+
+def vllm_cache(cache: formats.Cache) -> torch.Tensor:
+    """The same keys in vLLM's nvfp4 cache tensor, ``uint8 [pages, 128, 72]``, written through
+    :func:`formats.nvfp4_views` so the bytes land wherever that layout keeps them."""
+    values, scales = formats.nvfp4_views(cache)
+    out = torch.empty(values.shape[0], 128, 72, dtype=torch.uint8)
+    v, s = formats.nvfp4_views(out)
+    v.copy_(values)
+    s.copy_(scales)
+    return out
+
+
+@functools.cache
+def problem(world: int, t: int, seed: int, fmt: str = "nvfp4", requests: int = REQUESTS):
+    """A random step of ``requests`` requests at ``T = t`` (the same one on every call: the
+    ranks and the checks build it alike); nvfp4 in vLLM's cache tensor."""
+    prob = testing.make_problem(
+        requests, MAX_LEN, fmt, query_len=t, num_heads=world, seed=seed, width=MAX_WIDTH - 2
+    )
+    if fmt == "nvfp4":
+        prob.index_cache = vllm_cache(prob.index_cache)
+    return prob
+
+
+def want(prob: testing.Problem, rank: int, init: int, local: int) -> torch.Tensor:
+    """Rank ``rank``'s head of the reference's scores (all heads computed once per problem)."""
+    key = (id(prob), init, local)
+    if key not in _WANT:
+        _WANT[key] = (prob, reference.block_scores(
+            prob.q, prob.index_cache, prob.block_table, prob.seq_lens, init_blocks=init,
+            local_blocks=local, width=prob.width, query_len=prob.query_len,
+        ))  # fmt: skip
+    return _WANT[key][1][rank : rank + 1]
+
+
+_WANT: dict[tuple[int, int, int], tuple[testing.Problem, torch.Tensor]] = {}
+
+
+def _poison(cp: dropin.IndexCP) -> None:
+    """NaN into the transport's float buffers: an element this call does not write shows."""
+    for v in vars(cp.cp._transport).values():
+        if isinstance(v, torch.Tensor) and v.dtype == torch.float32:
+            v.fill_(float("nan"))
+
+
+def _args(prob: testing.Problem, rank: int, world: int, two_dim: bool = False):
+    iq = prob.rank_queries(rank, world)  # [rows, 1, 128]
+    if two_dim:
+        iq = iq[:, 0]
+    return iq, prob.index_cache, prob.block_table, prob.seq_lens
+
+
+def _error(fn) -> tuple[str, str] | None:
+    try:
+        fn()
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+def _run_rank(group: dist.ProcessGroup | None) -> dict:
+    """Every case on this process's rank of ``group``; returns what the checks need."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    res: dict = {}
+    # The environment configures what the arguments do not; the arguments win where both do.
+    os.environ.update(
+        CPINDEX_TIMEOUT_S="30", CPINDEX_MAX_ROWS="1", CPINDEX_NUM_HEADS="1", CPINDEX_MAX_TOPK="20"
+    )
+    res["rank_mismatch"] = _error(
+        lambda: dropin.IndexCP((rank + 1) % world, group, "cpu", MAX_ROWS, MAX_WIDTH)
+    )
+    cp = dropin.IndexCP(rank, group, "cpu", MAX_ROWS, MAX_WIDTH)
+    c = cp.config
+    res["config"] = (c.num_heads, c.max_rows, c.max_width, c.timeout_s, c.max_topk, c.cache_format)
+    res["identity"] = (cp.rank, cp.world_size, cp.transport_name, cp.capturable)
+
+    for name, t, two_dim, init, local, seed in SCORE_CASES:
+        prob = problem(world, t, seed)
+        _poison(cp)
+        out = cp.score_push(*_args(prob, rank, world, two_dim), init, local, prob.width)
+        res[f"score/{name}"] = out.clone()
+
+    # The returned view: [1, rows, width] float32, the instance's memory, overwritten by the
+    # next call of the same shape.
+    p1, p2 = problem(world, 4, 20), problem(world, 4, 21)
+    a = cp.score_push(*_args(p1, rank, world), 0, 1, p1.width)
+    a_before = a.clone()
+    b = cp.score_push(*_args(p2, rank, world), 0, 1, p2.width)
+    res["view"] = {
+        "shape": tuple(a.shape),
+        "dtype": a.dtype,
+        "same_memory": a.data_ptr() == b.data_ptr(),
+        "a_shows_b": torch.equal(a, b),
+        "a_before": a_before,
+        "b": b.clone(),
+    }
+
+    # Refused before anything is exchanged: rows not a multiple of the requests, T past
+    # max_query_len, a bad grid. The next good call then runs without a reset (an exchange
+    # started and abandoned would have left the instance broken).
+    good = problem(world, 4, 30)
+    iq, cache, bt, sl = _args(good, rank, world)
+    res["bad_ratio"] = _error(lambda: cp.score_push(iq[:-1], cache, bt, sl, 0, 1, good.width))
+    res["bad_ratio_2d"] = _error(
+        lambda: cp.select_blocks(iq[:-2, 0], cache, bt, sl, 0, 1, good.width)
+    )
+    one = problem(world, 8, 31, requests=1)
+    iq9 = torch.cat([one.rank_queries(rank, world)] * 2)[:9]
+    res["t_too_big"] = _error(
+        lambda: cp.score_push(iq9, one.index_cache, one.block_table[:1], one.seq_lens[:1], 0, 1,
+                              one.width)
+    )  # fmt: skip
+    res["grid_negative"] = _error(lambda: cp.score_push(iq, cache, bt, sl, 0, 1, good.width, -1))
+    res["grid_float"] = _error(lambda: cp.score_push(iq, cache, bt, sl, 0, 1, good.width, 2.0))
+    _poison(cp)
+    res["after_refusals"] = cp.score_push(iq, cache, bt, sl, 0, 1, good.width).clone()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        g1 = cp.score_push(iq, cache, bt, sl, 0, 1, good.width, 64).clone()
+        g2 = cp.score_push(iq, cache, bt, sl, 0, 1, good.width, grid=8).clone()
+    res["grid_positive"] = (g1, g2, [str(w.message) for w in caught])
+
+    sel = problem(world, 4, 40)
+    ids = cp.select_blocks(*_args(sel, rank, world), 1, 1, sel.width).clone()
+    ids5 = cp.select_blocks(*_args(sel, rank, world, True), 1, 1, sel.width, topk=5).clone()
+    res["select"] = (ids, ids5)
+    if TAGGED:
+        res["tagged"] = cp.score_push(iq, cache, bt, sl, 0, 1, good.width, tag=7).clone()
+    cp.close()
+
+    # fp8 and bf16 caches, as CPINDEX_CACHE_FORMAT configures them.
+    for fmt in ("fp8", "bf16"):
+        os.environ["CPINDEX_CACHE_FORMAT"] = fmt
+        with dropin.IndexCP(rank, group, torch.device("cpu"), MAX_ROWS, MAX_WIDTH) as cpf:
+            prob = problem(world, 4, 50, fmt)
+            res[f"format/{fmt}"] = (
+                cpf.config.cache_format,
+                cpf.score_push(*_args(prob, rank, world, True), 0, 1, prob.width).clone(),
+            )
+    del os.environ["CPINDEX_CACHE_FORMAT"]
+
+    # init(): one instance per process, the same one again for the same arguments.
+    first = dropin.init(rank, group, "cpu", MAX_ROWS, MAX_WIDTH)
+    res["init"] = {
+        "get_is_it": dropin.get() is first,
+        "again_is_it": dropin.init(rank, group, "cpu", MAX_ROWS, MAX_WIDTH) is first,
+        "other_args": _error(lambda: dropin.init(rank, group, "cpu", MAX_ROWS, 8)),
+        "out": dropin.get().score_push(*_args(good, rank, world), 0, 1, good.width).clone(),
+    }
+    dropin.shutdown()
+    res["init"]["get_after"] = _error(dropin.get)
+    return res
+
+
+def gloo_rank(rank: int, world: int, out_dir: str) -> None:
+    """Four processes: the cases on two groups of 2 ranks ({0, 1} and {2, 3}, both at once; in
+    {2, 3} the group ranks differ from the global ones), then on the world group of 4."""
+    try:
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        res: dict | str = {2: _run_rank(pairs[rank // 2]), 4: _run_rank(None)}
+    except BaseException:
+        res = traceback.format_exc()
+    torch.save(res, Path(out_dir) / f"rank{rank}.pt")
+
+
+WORLDS = Worlds("vllm", gloo_rank, lambda comm: None, gloo_timeout_s=180)
+
+
+@pytest.fixture(params=[2, 4], ids=lambda w: f"gloo{w}")
+def ranks(request, tmp_path_factory) -> tuple[int, list[tuple[int, dict]]]:
+    """``(W, [(group rank, that rank's results), ...])`` for every process's group of W."""
+    world = request.param
+    procs = WORLDS.results("gloo", 4, tmp_path_factory)
+    return world, [(p % world, res[world]) for p, res in enumerate(procs)]
+
+
+@pytest.mark.parametrize("case", SCORE_CASES, ids=[c[0] for c in SCORE_CASES])
+def test_equals_reference(ranks, case):
+    world, res = ranks
+    name, t, _, init, local, seed = case
+    prob = problem(world, t, seed)
+    for rank, r in res:
+        got = r[f"score/{name}"]
+        assert got.shape == (1, REQUESTS * t, prob.width)
+        assert torch.equal(got, want(prob, rank, init, local)), f"rank {rank}"
+
+
+def test_config_from_env_and_arguments(ranks):
+    world, res = ranks
+    for _, r in res:
+        assert r["config"] == (world, MAX_ROWS, MAX_WIDTH, 30.0, 20, "nvfp4")
+        assert r["identity"][1:] == (world, "collective", False)
+    assert [r["identity"][0] for _, r in res] == [p % world for p in range(4)]
+
+
+def test_rank_mismatch_refused(ranks):
+    _, res = ranks
+    for rank, r in res:
+        kind, msg = r["rank_mismatch"]
+        assert kind == "ValueError"
+        assert msg.startswith("rank:") and f"this process is rank {rank}" in msg
+
+
+def test_returns_a_view_valid_until_the_next_call(ranks):
+    world, res = ranks
+    p1, p2 = problem(world, 4, 20), problem(world, 4, 21)
+    for rank, r in res:
+        v = r["view"]
+        assert v["shape"] == (1, REQUESTS * 4, p1.width) and v["dtype"] == torch.float32
+        assert v["same_memory"] and v["a_shows_b"]
+        assert torch.equal(v["a_before"], want(p1, rank, 0, 1))
+        assert torch.equal(v["b"], want(p2, rank, 0, 1))
+
+
+def test_bad_input_refused_before_any_exchange(ranks):
+    world, res = ranks
+    good = problem(world, 4, 30)
+    for rank, r in res:
+        kind, msg = r["bad_ratio"]
+        assert kind == "ValueError" and msg.startswith("iq, block_table:")
+        assert "11 iq rows for 3 block_table rows" in msg
+        kind, msg = r["bad_ratio_2d"]
+        assert kind == "ValueError" and "10 iq rows for 3 block_table rows" in msg
+        kind, msg = r["t_too_big"]
+        assert kind == "ValueError" and "9 query rows per request" in msg
+        assert "max_query_len=8" in msg
+        assert r["grid_negative"][0] == "ValueError" and r["grid_negative"][1].startswith("grid:")
+        assert r["grid_float"][0] == "TypeError" and r["grid_float"][1].startswith("grid:")
+        # the instance was left usable: no exchange began
+        assert torch.equal(r["after_refusals"], want(good, rank, 0, 1))
+
+
+def test_positive_grid_is_accepted_and_warned_once(ranks):
+    world, res = ranks
+    good = problem(world, 4, 30)
+    for rank, r in res:
+        g1, g2, caught = r["grid_positive"]
+        assert torch.equal(g1, want(good, rank, 0, 1)) and torch.equal(g2, g1)
+        assert len(caught) == 1 and caught[0].startswith("grid=64 has no effect")
+
+
+def test_select_blocks(ranks):
+    world, res = ranks
+    prob = problem(world, 4, 40)
+    for rank, r in res:
+        ids, ids5 = r["select"]
+        kw = dict(init_blocks=1, local_blocks=1, width=prob.width, query_len=4)
+        full = reference.select_blocks(
+            prob.q, prob.index_cache, prob.block_table, prob.seq_lens, **kw
+        )
+        assert ids.dtype == torch.int32 and ids.shape == (1, REQUESTS * 4, 16)
+        assert torch.equal(ids, full[rank : rank + 1])
+        full5 = reference.select_blocks(
+            prob.q, prob.index_cache, prob.block_table, prob.seq_lens, topk=5, **kw
+        )
+        assert torch.equal(ids5, full5[rank : rank + 1])
+
+
+@pytest.mark.skipif(not TAGGED, reason="cpindex.IndexCP.score_push takes no tag here")
+def test_tag_passes_through(ranks):
+    world, res = ranks
+    good = problem(world, 4, 30)
+    for rank, r in res:
+        assert torch.equal(r["tagged"], want(good, rank, 0, 1))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "bf16"])
+def test_cache_format_from_env(ranks, fmt):
+    world, res = ranks
+    prob = problem(world, 4, 50, fmt)
+    for rank, r in res:
+        got_fmt, out = r[f"format/{fmt}"]
+        assert got_fmt == fmt
+        assert torch.equal(out, want(prob, rank, 0, 1))
+
+
+def test_init_once_per_process(ranks):
+    world, res = ranks
+    good = problem(world, 4, 30)
+    for rank, r in res:
+        i = r["init"]
+        assert i["get_is_it"] and i["again_is_it"]
+        assert i["other_args"][0] == "CPIndexError" and "shutdown() first" in i["other_args"][1]
+        assert torch.equal(i["out"], want(good, rank, 0, 1))
+        assert i["get_after"][0] == "CPIndexError"
+
+
+def test_one_process_world_comm(monkeypatch):
+    """The ``comm=`` path the one-process world uses (the GPU test's), here on the CPU."""
+    monkeypatch.setenv("CPINDEX_TIMEOUT_S", "30")
+    prob = problem(2, 4, 60)
+
+    def body(comm):
+        bad = _error(lambda: dropin.IndexCP(1 - comm.rank, None, "cpu", 16, 16, comm=comm))
+        with dropin.IndexCP(comm.rank, None, "cpu", 16, 24, comm=comm) as cp:
+            out = cp.score_push(*_args(prob, comm.rank, 2, True), 0, 1, prob.width).clone()
+        return bad, out
+
+    for rank, (bad, out) in enumerate(run_threads(2, body)):
+        assert bad[0] == "ValueError" and f"this process is rank {rank}" in bad[1]
+        assert torch.equal(out, want(prob, rank, 0, 1))
+
+
+def test_no_process_group():
+    with pytest.raises(ValueError, match=r"group: torch\.distributed is not initialized"):
+        dropin.IndexCP(0, None, "cpu", 8, 8)
+    with pytest.raises(TypeError, match="rank: expected an int"):
+        dropin.IndexCP("0", None, "cpu", 8, 8)  # type: ignore[arg-type]
