@@ -32,12 +32,8 @@ os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")  # before CUDA starts (doc
 import torch
 
 from cpindex import formats, reference
+from cpindex.spawn import spawn_processes
 from cpindex.vllm import IndexCP  # was: from vllm.models.minimax_m3.amd.ops.index_cp import ...
-
-try:
-    from cpindex.spawn import spawn_processes
-except ImportError:  # the process launcher's older home
-    from cpindex.world import spawn_processes
 
 T = 4  # query rows per request per step
 PROMPTS = [700, 300, 129]  # prefilled tokens per request
