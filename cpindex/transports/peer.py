@@ -367,15 +367,37 @@ def identity(ctx: Context) -> dict:
     }
 
 
+_shared_gpu_processes = False  # set only by allow_shared_gpu_processes()
+
+
+def allow_shared_gpu_processes(enabled: bool = True) -> bool:
+    """Testing and benchmarking only: let ``ipc`` (and ``mori``) run with ranks of several
+    processes on one GPU, which :func:`shared_gpu_reason` refuses otherwise. Every such rank's
+    process must call it before constructing (a rank that did not refuses, and then all do).
+    Returns the previous setting. Process-wide; no configuration field or environment variable
+    sets it.
+
+    The spin handshake then completes only because the GPU time-slices between the processes:
+    every handshake takes tens of ms (about 24 ms per handoff on an H200; measured on CUDA
+    only). It exists so that one GPU can exercise the process boundary (real IPC handles, a
+    peer process dying, teardown); never serve with it."""
+    global _shared_gpu_processes
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled: expected a bool, got {type(enabled).__name__}")
+    previous, _shared_gpu_processes = _shared_gpu_processes, enabled
+    return previous
+
+
 def shared_gpu_reason(ctx: Context, ids: list[dict]) -> str | None:
     """Why the push cannot run if another process's rank sits on this rank's GPU: kernels of
-    two processes never run concurrently on one GPU, so the spin handshake would deadlock."""
+    two processes never run concurrently on one GPU, so the spin handshake would deadlock.
+    None when no other process shares it, or when :func:`allow_shared_gpu_processes` is on."""
     me = ids[ctx.rank]
     clash = [
         p for p, o in enumerate(ids)
         if o["host"] == me["host"] and o["uuid"] == me["uuid"] and o["pid"] != me["pid"]
     ]  # fmt: skip
-    if not clash:
+    if not clash or _shared_gpu_processes:
         return None
     return (
         f"ranks {clash} share this GPU from other processes: kernels of two processes do not "
