@@ -9,13 +9,9 @@
 #   demo [DEMO ARGS]       python -m cpindex demo
 #   bench-kernel [ARGS]    python -m cpindex bench --kernel   (default: bf16,fp8,nvfp4, 20 iters)
 #   bench-ab [ARGS]        python -m cpindex bench            (default: ipc vs collective, W = 4)
-#   variants [ARGS]        python benchmarks/kernel_variants.py  (default: the shipped build
-#                          against the register path and a 4-CTA register cap)
 #   probe [VARIANT WORLD]  benchmarks/handshake_probe.py with CUDA_MODULE_LOADING=EAGER, then LAZY
 #   profile FMT REQ CTX [T [W]]  Nsight Compute on benchmarks/profile_kernel.py (stall reasons
 #                          too; W > 1: rank 0's share of W)
-#   phases [ARGS]          benchmarks/phase_trace.py: where a pushed call's time goes, phase by
-#                          phase (score_push and select_blocks, the one-process world)
 #   wgmma-probe            benchmarks/wgmma_probe.cu: the operand layouts and accumulation
 #                          precision of Hopper's warpgroup mma, e4m3 and f16 (sm_90a), and the
 #                          T = 8 tensor throughput of mma.sync and the warpgroup mma
@@ -120,14 +116,6 @@ cmd_bench_ab() {
   return $rc
 }
 
-cmd_variants() {
-  local args=("$@")
-  [ ${#args[@]} -eq 0 ] && args=(--rows 1,32,128 shipped= regs=CP_SMEM_RING=0
-    cap4=CP_MIN_CTAS=4)
-  bounded 400 python3 benchmarks/kernel_variants.py --out "$OUT/variants" "${args[@]}" 2>&1 \
-    | grep -v Warn
-}
-
 cmd_probe() {
   local variant=${1:-full} world=${2:-2} mode rc=0
   for mode in EAGER LAZY; do  # the one-process world needs EAGER (docs/design.md, rule 3)
@@ -140,7 +128,7 @@ cmd_probe() {
 
 cmd_profile() {
   [ $# -ge 3 ] || { echo "usage: device.sh profile FMT REQUESTS CONTEXT [QUERY_LEN [WORLD]]" >&2; return 2; }
-  local name="ncu-$(IFS=-; echo "$*")${CPINDEX_KERNEL_DEFINES:+-${CPINDEX_KERNEL_DEFINES// /-}}.txt"
+  local name="ncu-$(IFS=-; echo "$*").txt"
   bounded 150 ncu --clock-control none -k regex:score_kernel --launch-skip 3 --launch-count 1 \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     --section SchedulerStats --section MemoryWorkloadAnalysis --section InstructionStats \
@@ -153,17 +141,13 @@ cmd_profile() {
   grep -E "inst_executed_pipe" "$OUT/$name" | sort -k3 -g -r | head -8
 }
 
-cmd_phases() {
-  bounded 500 python3 benchmarks/phase_trace.py "$@" 2>&1 | tee "$OUT/phases.txt" | grep -v Warn
-}
-
 cmd_wgmma_probe() {
   bounded 120 nvcc -O2 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/wgmma_probe \
     benchmarks/wgmma_probe.cu || return 1
   bounded 30 /tmp/wgmma_probe
 }
 
-[ $# -ge 1 ] || { sed -n '2,27p' "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n '2,23p' "$0"; exit 2; }
 cmd=$1
 shift
 setup || exit 1
@@ -172,10 +156,8 @@ case $cmd in
   demo) cmd_demo "$@" ;;
   bench-kernel) cmd_bench_kernel "$@" ;;
   bench-ab) cmd_bench_ab "$@" ;;
-  variants) cmd_variants "$@" ;;
   probe) cmd_probe "$@" ;;
   profile) cmd_profile "$@" ;;
-  phases) cmd_phases "$@" ;;
   wgmma-probe) cmd_wgmma_probe ;;
   all)
     rc=0
