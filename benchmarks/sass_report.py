@@ -1,18 +1,19 @@
 """What ptxas made of each kernel instance, without a GPU: registers, spills and the page loop.
 
-    python benchmarks/sass_report.py                                  # the shipped sm_90a build
-    python benchmarks/sass_report.py shipped= wg8=CP_NVFP4_BATCH_WG=8 # variants side by side
-    python benchmarks/sass_report.py --order --only nvfp4 shipped=    # where the loads sit
+    python benchmarks/sass_report.py                               # this tree's sm_90a build
+    python benchmarks/sass_report.py new= old=../old/cpindex/kernels  # two source trees
+    python benchmarks/sass_report.py --order --only nvfp4          # where the loads sit
 
-Each ``name=DEFINES`` (space-separated ``MACRO=VALUE`` list, may be empty) compiles
-``cpindex/kernels/score.hip`` for sm_90a with ``CP_WGMMA=1`` (what an H100/H200 builds), like
-``.ci/compile-kernels``. Per instance (format, query tiles ``NT``, warpgroup mma ``W``, split
-pages ``S``) it prints registers, spill bytes and the page loop: the innermost loop around all of
-the instance's mma instructions, with its instruction count, local-memory (spill) loads, generic
-loads and the most frequent opcodes. ``--order`` adds the loop's global loads (``L``) and mma
-instructions (``M``) in program order, which shows how far ahead of its math ptxas issued a
-tile's loads. Between variants, ``same`` marks instances whose SASS is identical to the first
-variant's: the check that a build timed with switches is the build that ships.
+Each ``name=DIR`` compiles ``DIR/score.hip`` (an empty DIR: this tree's ``cpindex/kernels``;
+another checkout's, e.g. a ``git worktree`` of another commit, to compare a change) for sm_90a
+with ``CP_WGMMA=1`` (what an H100/H200 builds), like ``.ci/compile-kernels``. Per instance
+(format, query tiles ``NT``, warpgroup mma ``W``, split pages ``S``) it prints registers, spill
+bytes and the page loop: the innermost loop around all of the instance's mma instructions, with
+its instruction count, local-memory (spill) loads, generic loads and the most frequent opcodes.
+``--order`` adds the loop's global loads (``L``) and mma instructions (``M``) in program order,
+which shows how far ahead of its math ptxas issued a tile's loads. Between trees, ``same``
+marks instances whose SASS is identical to the first tree's: the check that a change meant to
+keep the machine code keeps it.
 
 Needs ``nvcc`` and ``cuobjdump`` (on PATH, next to nvcc, or ``$CUOBJDUMP``; PyPI's
 ``nvidia-cuda-cuobjdump`` wheel carries it). Static counts, not timings: docs/BENCHMARKS.md
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE = ROOT / "cpindex" / "kernels" / "score.hip"
+KERNELS = ROOT / "cpindex" / "kernels"
 FORMATS = {0: "bf16", 1: "fp8", 2: "nvfp4", 3: "nvfp4-vllm"}  # launch.h: CacheFormat
 INSTANCE = re.compile(r"score_kernelILi(\d)ELi(\d)ELb([01])ELi(\d)E")
 SASS_LINE = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
@@ -75,13 +76,12 @@ def _tool(name: str, nvcc: str) -> str:
     )
 
 
-def _compile(defines: str, out: Path, nvcc: str) -> str:
-    flags = [f"-D{d}" for d in defines.split()]
+def _compile(source: Path, out: Path, nvcc: str) -> str:
     cmd = [nvcc, "-x", "cu", "-gencode", "arch=compute_90a,code=sm_90a", "-DCP_WGMMA=1", "-O3",
-           "-std=c++17", *flags, "-c", "-o", str(out), str(SOURCE), "-Xptxas", "-v"]  # fmt: skip
+           "-std=c++17", "-c", "-o", str(out), str(source), "-Xptxas", "-v"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        sys.exit(f"nvcc failed for defines {defines!r}:\n{proc.stderr[-3000:]}")
+        sys.exit(f"nvcc failed for {source}:\n{proc.stderr[-3000:]}")
     return proc.stderr
 
 
@@ -119,10 +119,10 @@ def _page_loop(body: list[tuple[int, str, str]]) -> list[str]:
     return [op for addr, op, _ in body if best[0] <= addr <= best[1]]
 
 
-def build(defines: str, nvcc: str, cuobjdump: str, tmp: Path) -> dict[tuple, Instance]:
-    """Compile one variant and describe its instances."""
-    obj = tmp / f"v{hashlib.md5(defines.encode()).hexdigest()[:8]}.o"
-    res = _resources(_compile(defines, obj, nvcc))
+def build(kernels: Path, nvcc: str, cuobjdump: str, tmp: Path) -> dict[tuple, Instance]:
+    """Compile one source tree's kernel and describe its instances."""
+    obj = tmp / f"v{hashlib.md5(str(kernels).encode()).hexdigest()[:8]}.o"
+    res = _resources(_compile(kernels / "score.hip", obj, nvcc))
     sass = subprocess.run(
         [cuobjdump, "-sass", str(obj)], capture_output=True, text=True, check=True
     )
@@ -153,7 +153,7 @@ def _order(loop: list[str]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
-        "variants", nargs="*", default=["shipped="], help="name=DEFINES (default: shipped=)"
+        "trees", nargs="*", default=["this="], help="name=DIR of score.hip (default: this=)"
     )
     ap.add_argument("--only", default="", help="comma list of formats to show (default: all)")
     ap.add_argument(
@@ -163,19 +163,21 @@ def main() -> None:
         "--top", type=int, default=10, help="opcodes listed per page loop (default: 10)"
     )
     args = ap.parse_args()
-    variants: dict[str, str] = {}
-    for v in args.variants:
-        name, sep, defines = v.partition("=")
+    trees: dict[str, Path] = {}
+    for v in args.trees:
+        name, sep, path = v.partition("=")
         if not sep or not name.isidentifier():
-            ap.error(f"{v!r}: expected NAME=DEFINES, e.g. 'wg8=CP_NVFP4_BATCH_WG=8'")
-        variants[name] = defines
+            ap.error(f"{v!r}: expected NAME=DIR, e.g. 'old=../old/cpindex/kernels'")
+        trees[name] = Path(path).resolve() if path else KERNELS
+        if not (trees[name] / "score.hip").is_file():
+            ap.error(f"{v!r}: no score.hip in {trees[name]}")
     nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
     if not Path(nvcc).is_file():
         sys.exit("nvcc not found")
     cuobjdump = _tool("cuobjdump", nvcc)
     only = set(filter(None, args.only.split(",")))
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor() as pool:  # nvcc in parallel
-        jobs = {n: pool.submit(build, d, nvcc, cuobjdump, Path(tmp)) for n, d in variants.items()}
+        jobs = {n: pool.submit(build, d, nvcc, cuobjdump, Path(tmp)) for n, d in trees.items()}
         built = {n: job.result() for n, job in jobs.items()}
     first = next(iter(built.values()))
     for key in sorted(first, key=lambda k: (list(FORMATS.values()).index(k[0]), *k[1:])):

@@ -7,7 +7,6 @@ from .build import (
     build_defines,
     device_arch,
     load,
-    measurement_defines,
     sources_digest,
 )
 
@@ -17,6 +16,5 @@ __all__ = [
     "build_defines",
     "device_arch",
     "load",
-    "measurement_defines",
     "sources_digest",
 ]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -61,31 +60,12 @@ def sources_digest() -> str:
     return h.hexdigest()[:12]
 
 
-_DEFINE = re.compile(r"CP_[A-Z0-9_]+(=[A-Za-z0-9_.]+)?")
-
-
-def measurement_defines() -> list[str]:
-    """``CPINDEX_KERNEL_DEFINES`` ("CP_SMEM_RING=0 CP_BF16_BATCH=4"): the kernel's
-    measurement switches for a variant build (docs/kernel.md); empty for the shipped build."""
-    defines = os.environ.get("CPINDEX_KERNEL_DEFINES", "").split()
-    for d in defines:
-        if not _DEFINE.fullmatch(d):
-            raise ValueError(
-                f"CPINDEX_KERNEL_DEFINES: {d!r} is not a kernel switch; expected "
-                "space-separated CP_NAME or CP_NAME=VALUE (e.g. 'CP_SMEM_RING=0')"
-            )
-    return defines
-
-
 def build_defines(arch: str, *, portable: bool = False) -> list[str]:
-    """The kernel switches a build for ``arch`` compiles with: ``CP_WGMMA=1`` on sm_90 (Hopper
-    builds sm_90a, whose four-tile instances use the warpgroup mma; docs/kernel.md) unless
-    ``CPINDEX_KERNEL_DEFINES`` sets it (``CP_WGMMA=0`` builds them the sm_90 way), then the
-    measurement switches."""
-    defines = measurement_defines()
-    if arch == "sm_90" and not portable and all(d.split("=")[0] != "CP_WGMMA" for d in defines):
-        defines = ["CP_WGMMA=1", *defines]
-    return defines
+    """The macros a build for ``arch`` compiles with: ``CP_WGMMA=1`` on sm_90 (Hopper builds
+    sm_90a, whose four-tile instances use the warpgroup mma; docs/kernel.md), none elsewhere or
+    for the portable path. The library builds only what ships: no environment variable adds
+    any."""
+    return ["CP_WGMMA=1"] if arch == "sm_90" and not portable else []
 
 
 def load(device: torch.device | None = None, *, portable: bool = False) -> ModuleType:
@@ -102,7 +82,7 @@ def load(device: torch.device | None = None, *, portable: bool = False) -> Modul
         from torch.utils import cpp_extension
 
         defines = build_defines(arch, portable=portable)
-        sm90a = any(d in ("CP_WGMMA", "CP_WGMMA=1") for d in defines)
+        sm90a = "CP_WGMMA=1" in defines
         flags = ["-O3", "-std=c++17"] + (["-DCP_PORTABLE=1"] if portable else [])
         flags += [f"-D{d}" for d in defines]
         name = f"cpindex_{arch}_{'portable_' if portable else ''}{_source_hash(flags)}"

@@ -13,15 +13,16 @@ namespace {
 template <int F>
 struct Fmt;
 
+// bf16 and fp8 keys go through the cp.async ring wherever there are tensor cores (kRing), and
+// through registers on the portable path.
 template <>
 struct Fmt<kBF16> {
   static constexpr int kLoads = 4;  // 16-byte loads per token per lane
-  static constexpr int kBatch = CP_BF16_BATCH;
-  static constexpr bool kRing = CP_RING_BF16;
+  static constexpr bool kRing = CP_USE_MMA;
   static constexpr int kTokenBytes = 256;
   static constexpr bool kBf16 = true;
   CP_DEVICE static int load_offset(int c, int l) { return 16 * (c + 4 * l); }
-#if CP_RING_BF16  // ldmatrix gives lane c dims 2c, 2c+1 of every 8 (k-step s: pairs 2s, 2s+1)
+#if CP_USE_MMA  // ldmatrix gives lane c dims 2c, 2c+1 of every 8 (k-step s: pairs 2s, 2s+1)
   CP_DEVICE static int dim_base(int c, int q) { return 32 * q + 2 * c; }
   CP_DEVICE static int elem(int b, int half) { return 16 * (b >> 1) + 8 * (b & 1) + half; }
 #else
@@ -33,12 +34,11 @@ struct Fmt<kBF16> {
 template <>
 struct Fmt<kFP8> {
   static constexpr int kLoads = 2;
-  static constexpr int kBatch = 4;
-  static constexpr bool kRing = CP_RING_FP8;
+  static constexpr bool kRing = CP_USE_MMA;
   static constexpr int kTokenBytes = 128;
   static constexpr bool kBf16 = false;
   CP_DEVICE static int load_offset(int c, int l) { return 16 * (c + 4 * l); }
-#if CP_RING_FP8  // ldmatrix gives lane c bytes 4c..4c+3 of every 16
+#if CP_USE_MMA  // ldmatrix gives lane c bytes 4c..4c+3 of every 16
   CP_DEVICE static int dim_base(int c, int q) { return 32 * q + 4 * c; }
   CP_DEVICE static int elem(int b, int half) { return 16 * (b >> 1) + 2 * (b & 1) + half; }
 #else
@@ -53,7 +53,6 @@ struct Fmt<kFP8> {
 template <>
 struct Fmt<kNVFP4> {
   static constexpr int kLoads = 1;
-  static constexpr int kBatch = CP_NVFP4_BATCH;
   static constexpr bool kRing = false;
   static constexpr int kTokenBytes = 64;  // value bytes of a token (its stride may be larger)
   static constexpr bool kBf16 = false;
@@ -68,14 +67,11 @@ struct Fmt<kNVFP4Narrow> : Fmt<kNVFP4> {};
 template <int F>
 constexpr bool kFp4 = F == kNVFP4 || F == kNVFP4Narrow;
 
-// The register path's shape: a group's 4 lanes read one token's bytes; batches tile a page (a
-// batch larger than a page is cut to one page).
+// The register path's shape: a group's 4 lanes read one token's bytes.
 template <int F>
-constexpr bool kRegisterShapeOk =
-    Fmt<F>::kLoads * 16 * 4 == Fmt<F>::kTokenBytes && Fmt<F>::kBatch >= 1 &&
-    (kTilesPerPage % Fmt<F>::kBatch == 0 || Fmt<F>::kBatch % kTilesPerPage == 0);
+constexpr bool kRegisterShapeOk = Fmt<F>::kLoads * 16 * 4 == Fmt<F>::kTokenBytes;
 static_assert(kRegisterShapeOk<kBF16> && kRegisterShapeOk<kFP8> && kRegisterShapeOk<kNVFP4>,
-              "Fmt::kLoads or kBatch do not fit a page");
+              "Fmt::kLoads does not fit a token");
 
 template <int F>
 struct TileRegs {
@@ -109,17 +105,13 @@ CP_DEVICE void load_tile(const ScoreParams& p, TileRegs<F>& t, const uint8_t* pa
 
 CP_DEVICE uint32_t word(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 
-// nvfp4 words per token and lane that go through the e4m3 table and the conversion unit (the
-// rest through the f16 byte table and the integer pipe); conversions need sm_89+. Two of four
-// measured fastest with one or two query tiles and with the warpgroup mma; the mma.sync instance
-// of four tiles (more mma work per word on the same warp) keeps the integer pipe only
-// (docs/BENCHMARKS.md).
+// nvfp4 words per token and lane (of 4) that go through the e4m3 table and the conversion unit,
+// the rest through the f16 byte table and the integer pipe; conversions need sm_89+. Half and
+// half keeps both pipes busy with one or two query tiles and with the warpgroup mma. The
+// mma.sync instance of four tiles does four times the mma work per decoded word on the same
+// warp; there the integer pipe alone is faster.
 template <int NT, bool W>
-constexpr int kNvfp4Cvt =
-    CP_NATIVE_FP8 ? (W ? CP_NVFP4_CVT_WG : NT == 4 ? CP_NVFP4_CVT4 : CP_NVFP4_CVT) : 0;
-static_assert(CP_NVFP4_CVT >= 0 && CP_NVFP4_CVT <= 4 && CP_NVFP4_CVT4 >= 0 && CP_NVFP4_CVT4 <= 4 &&
-                  CP_NVFP4_CVT_WG >= 0 && CP_NVFP4_CVT_WG <= 4,
-              "CP_NVFP4_CVT, CP_NVFP4_CVT4 and CP_NVFP4_CVT_WG must be 0..4");
+constexpr int kNvfp4Cvt = CP_NATIVE_FP8 && (W || NT < 4) ? 2 : 0;
 
 // Token s of a loaded tile as 16 packed pairs (bf16x2 for bf16, f16x2 otherwise). For nvfp4,
 // lut and lut8 are the CTA's tables: entry s of lut holds the f16 high and low bytes of the 8

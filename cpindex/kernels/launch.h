@@ -125,9 +125,9 @@ int score_occupancy(int format, int vectors, bool wgmma, int split, int* ctas_pe
 // Whether this build has a warpgroup-mma instance (sm_90a) for `vectors` query vectors.
 bool score_has_wgmma(int vectors);
 
-// The fewest warps this build's split-page instance for `format` shares a page among: 4 (a CTA
-// per item) or 2 (two items a CTA; CP_SPLIT_PAIRS, not the ring formats); 0 where it has none.
-// The launcher takes the most warps per page whose CTAs fit the grid at once.
+// The fewest warps a split-page instance for `format` shares a page among: 2 (every format has
+// the four-warp instance, a CTA per item, and the two-warp one, two items a CTA); 0 for an
+// unknown format. The launcher takes the most warps per page whose CTAs fit the grid at once.
 int score_split_warps(int format);
 
 }  // namespace cpindex

@@ -26,10 +26,9 @@ PHASES = {structs.ERR_TIMEOUT_QUERIES: "queries", structs.ERR_TIMEOUT_SCORES: "s
 WGMMA_MIN_ITEMS_PER_SM = 32
 
 # A call whose items (request, block) of the busiest rank's share all fit the resident grid at
-# once splits each page over several warps of a CTA (score.hip, kSplits): a small call has more
-# warps loading and decoding. The warps per page, most first: a call takes the first whose CTAs
-# (4 / warps items each) fit the split instance's resident grid and that the build has (only 4
-# in CP_SPLIT_PAIRS=0 builds, and for bf16 and fp8 on tensor cores in CP_SPLIT_RING=1 builds).
+# once splits each page over several warps of a CTA (score.hip, split pages): a small call has
+# more warps loading and decoding. The warps per page, most first: a call takes the first whose
+# CTAs (4 / warps items each) fit the split instance's resident grid (every build has both).
 # () keeps a warp per item.
 SPLIT_WARPS: tuple[int, ...] = (4, 2)
 WARPS_PER_CTA = 4

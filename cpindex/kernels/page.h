@@ -17,7 +17,8 @@ struct Cuts {
 // acc holds tokens tok and tok + kGroups; a token at or past its row's causal length never
 // counts. limit = tokens of this page the request's last row sees; full: every row sees all 128.
 // kBranch: test `full` once (it is warp-uniform) instead of folding it into every value's
-// compare; measured faster for the warpgroup instance's register path only (docs/kernel.md).
+// compare: the warpgroup instance's register path gains from the branch; the other paths are
+// faster with the compare folded in (docs/kernel.md).
 template <int NT, bool kBranch>
 CP_DEVICE void keep_max(float (&m)[NT][4], const float (&acc)[NT][4], int tok, int limit,
                         bool full, const Cuts<NT>& cuts) {
@@ -66,13 +67,11 @@ CP_DEVICE void score_page(const ScoreParams& p, const uint8_t* page, const uint8
                           int limit, bool full, const Cuts<NT>& cuts, const QueryFrag<NT, W>& q,
                           const float* q_smem, const uint4* lut, const uint2* lut8, int g, int c,
                           int t_first, float (&val)[NT][2]) {
-  // The scalar dot keeps 16 partial sums live: no room to batch loads there. More query tiles
-  // hold more registers, so fewer tiles are loaded ahead.
-  // The warpgroup instance keeps its queries in shared memory: nvfp4 loads more ahead there.
-  constexpr int kWant = !CP_USE_MMA             ? 1
-                        : W && kFp4<F>          ? CP_NVFP4_BATCH_WG
-                        : Fmt<F>::kBatch / NT > 0 ? Fmt<F>::kBatch / NT
-                                                : 1;
+  // The scalar dot keeps 16 partial sums live: no room to batch loads there. On tensor cores
+  // only nvfp4 comes here (bf16 and fp8 take the ring); more query tiles hold more registers, so
+  // fewer tiles are loaded ahead, and the warpgroup instance's queries are in shared memory.
+  static_assert(!CP_USE_MMA || kFp4<F>, "bf16 and fp8 keys reach the tensor cores by the ring");
+  constexpr int kWant = !CP_USE_MMA ? 1 : W ? kNvfp4BatchWg : kNvfp4Batch / NT;
   constexpr int kBatch = kWant < kTiles ? kWant : kTiles;
   static_assert(kTiles % kBatch == 0, "a load batch must divide the tiles scored (tiles past "
                                       "them are another warp's or the next page's tokens)");
@@ -110,14 +109,14 @@ struct PageRef {
   bool full;
 };
 
-#if CP_SMEM_ON
+#if CP_USE_MMA
 // bf16 and fp8 keys reach the mma through a per-warp ring of kStages tiles in shared memory. A
 // tile's 16 rows hold its tokens in order, 16-byte chunk x of row r stored at chunk x ^ (r % 8),
 // so that ldmatrix's 8 rows hit 8 different banks.
 template <int F>
 constexpr int kTileBytes = kTileTokens * Fmt<F>::kTokenBytes;
 template <int F>
-constexpr int kStages = Fmt<F>::kRing ? CP_SMEM_RING / kTileBytes<F> : 0;
+constexpr int kStages = Fmt<F>::kRing ? kRingBytes / kTileBytes<F> : 0;
 
 // Tile t of a page into a ring slot: 512 contiguous bytes per instruction.
 template <int F>
@@ -207,7 +206,7 @@ template <int F, int NT, bool W, int kTiles>
 CP_DEVICE void score_part_smem(const ScoreParams& p, const PageRef& pr, const Cuts<NT>& cuts,
                                const QueryFrag<NT, W>& q, int g, int c, uint8_t* ring, int t_first,
                                float (&val)[NT][2]) {
-  static_assert(kTiles * kTileBytes<F> <= CP_SMEM_RING, "a split page's part fits the ring");
+  static_assert(kTiles * kTileBytes<F> <= kRingBytes, "a split page's part fits the ring");
   const int lane = 4 * g + c;
   const uint32_t ring_addr = cp_smem_addr(ring);
 #pragma unroll

@@ -17,7 +17,7 @@
 //      peer's score flag here, then advances the device-side call count.
 // Counts live on the device, so a captured graph replays the handshake correctly.
 //
-// The parts, in the order they build on each other: config.h (switches, shared constants),
+// The parts, in the order they build on each other: config.h (shared constants),
 // keys.h (formats), dot.h (tile dot products), waits.h (error word, bounded waits), page.h
 // (one page), select.h (select_blocks' selection); this file holds the kernel and its launcher.
 #include "config.h"
@@ -29,13 +29,6 @@
 
 namespace cpindex {
 namespace {
-
-#if defined(CP_PHASE_TRACE) && !defined(CP_HIP)
-// Phase i's time (after a CTA-wide sync, so it is the CTA's, not one warp's).
-#define CP_PHASE(i) (__syncthreads(), trace[i] = clock64(), i == 0 ? (void)(start_ns = cp_clock_ticks()) : (void)0)
-#else
-#define CP_PHASE(i) ((void)0)
-#endif
 
 // What one lane writes of each item of a pass: vector v's head, output row and causal cut
 // (computed once per pass, not per item).
@@ -70,20 +63,16 @@ CP_DEVICE void write_score(const ScoreParams& p, const VecOut& o, int j, int k, 
 
 // CTAs per SM the register allocation must leave room for (CUDA): ptxas otherwise spends
 // registers where they buy nothing, and a step down in occupancy costs more than a little
-// scheduling freedom. The tile count per pass sets how much each warp must hold.
-// 0 leaves ptxas its own choice for four query tiles (255 registers, 2 CTAs): a 3-CTA target
-// (CP_NT4_CTAS=3) spills a little and trades small batches for large ones (docs/BENCHMARKS.md).
-// The split-page instances take the same targets (CP_SPLIT_CTAS=N: N CTAs per SM; 4 for four
-// query tiles, which would split larger calls, spills and measured slower, docs/kernel.md).
+// scheduling freedom. The tile count per pass sets how much each warp must hold; the split-page
+// instances (S) take their whole-page instance's target.
+// Four query tiles with mma.sync: 0 leaves ptxas its own choice (255 registers, 2 CTAs); a
+// 3-CTA cap spills a little, which costs small batches more than it gains large ones.
 template <int F, int NT, bool W, int S>
-constexpr int kMinCtas = S && CP_SPLIT_CTAS ? CP_SPLIT_CTAS
-                         : W       ? (CP_WG_CTAS ? CP_WG_CTAS : F == kBF16 ? 3 : 4)
-                         : NT == 4 ? CP_NT4_CTAS
+constexpr int kMinCtas = W         ? (F == kBF16 ? 3 : 4)
+                         : NT == 4 ? 0
                          : NT == 2 ? (F == kBF16 ? 3 : 4)
                                    : (F == kFP8 ? 5 : 4);
-#if defined(CP_MIN_CTAS) && !defined(CP_HIP)  // measurement: one cap for every instance
-#define CP_BOUNDS __launch_bounds__(kThreads, CP_MIN_CTAS)
-#elif CP_USE_MMA  // the tensor-core instances; the portable path keeps ptxas's choice
+#if CP_USE_MMA  // the tensor-core instances; the portable path keeps ptxas's choice
 #define CP_BOUNDS __launch_bounds__(kThreads, (kMinCtas<F, NT, W, S>))
 #else
 #define CP_BOUNDS __launch_bounds__(kThreads)
@@ -91,33 +80,21 @@ constexpr int kMinCtas = S && CP_SPLIT_CTAS ? CP_SPLIT_CTAS
 
 // The largest group of consecutive blocks a warp takes. The ring formats gain from groups only
 // with four query tiles (two CTAs per SM, where a page's start and the query loads are not hidden
-// by other warps); with fewer tiles single blocks measured faster (docs/BENCHMARKS.md).
+// by other warps); with fewer tiles more CTAs share an SM and hide them, and single blocks are
+// faster.
 template <int F, int NT>
-constexpr int kGroupMax = Fmt<F>::kRing && NT < 4 ? 1 : CP_GROUP_MAX;
-
-// Whether the build has split-page instances (S below) for a format: every format, the ring
-// formats (bf16 and fp8 on tensor cores) with CP_SPLIT_RING. Their split warps load their part
-// of a page into the ring at once (score_part_smem), over four warps or two (CP_SPLIT_RING=1:
-// four only), each timed against their whole pages (docs/BENCHMARKS.md).
-template <int F>
-constexpr bool kSplits = CP_SPLIT_PAGES && (!Fmt<F>::kRing || CP_SPLIT_RING);
-// The fewest warps a page of F splits over (0: the build does not split F's pages).
-template <int F>
-constexpr int kSplitFewest = !kSplits<F> ? 0
-                             : !CP_SPLIT_PAIRS || (Fmt<F>::kRing && CP_SPLIT_RING < 2)
-                                 ? kWarpsPerCta
-                                 : 2;
+constexpr int kGroupMaxOf = Fmt<F>::kRing && NT < 4 ? 1 : kGroupMax;
 
 // ---- the kernel ---------------------------------------------------------------------------------
 // NT: query n-tiles per pass (tensor cores; 1 on the portable path). A request with more than
 // 8 * NT vectors takes several passes over a page; the later passes find it in L2. W: the
 // warpgroup-mma instance (CP_WGMMA builds, NT = 4), whose unit of work is the CTA. S: the
-// split-page instances (kSplits formats; S = 4 or 2, 0 for none), whose unit of work is the S
-// warps that share a page.
+// split-page instances (S = 4 or 2 warps per page, 0 for whole pages), whose unit of work is
+// the S warps that share a page.
 template <int F, int NT, bool W, int S>
 __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) {
   static_assert(!W || (CP_WGMMA && NT == 4), "the warpgroup mma takes four query tiles, sm_90a");
-  static_assert(!S || (!W && kSplits<F>), "split pages: a kSplits format, without the wgmma");
+  static_assert(!S || !W, "split pages: without the wgmma");
   static_assert(S == 0 || S == 2 || S == kWarpsPerCta, "split pages over 2 or 4 warps");
   const int lane = threadIdx.x % CP_WARP, warp = threadIdx.x / CP_WARP;
   const int g = lane >> 2, c = lane & 3;
@@ -128,7 +105,7 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   __shared__ float q_all[kWarpsPerCta][kVecsPerTile * kHeadDim];
   float* q_smem = q_all[warp];
 #endif
-#if CP_SMEM_ON
+#if CP_USE_MMA
   constexpr int kRing = kStages<F> > 0 ? kStages<F> * kTileBytes<F> : 16;
   __shared__ __align__(128) uint8_t ring_all[kWarpsPerCta][kRing];
   uint8_t* ring = ring_all[warp];
@@ -137,7 +114,7 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   __shared__ uint2 lut8[kFp4<F> && kNvfp4Cvt<NT, W> > 0 ? 256 : 1];
   // A group's maxima until it is written: per warp, or per CTA where the warps share a group.
   // A split page's warp keeps a row per part it scored (two where two warps share a page).
-  constexpr int kStashRows = CP_GROUP_MAX > 2 ? CP_GROUP_MAX : 2;  // per warp
+  constexpr int kStashRows = kGroupMax > 2 ? kGroupMax : 2;  // per warp
   __shared__ float stash_all[kWarpsPerCta * kStashRows][kVecsPerTile * NT];
   float(*stash)[kVecsPerTile * NT] = stash_all + (W ? 0 : warp * kStashRows);
 #if CP_USE_MMA
@@ -146,22 +123,6 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   __shared__ int cta_failed;
   __shared__ int is_last;
   uint64_t call = 0;
-#if defined(CP_PHASE_TRACE) && !defined(CP_HIP)
-  long long trace[8] = {};
-  uint64_t start_ns = 0;
-  // Every 128th call: the clock at each phase the CTA passed, from its start, and when it ended
-  // (globaltimer, to line ranks up).
-  auto print_trace = [&] {
-    if (threadIdx.x != 0 || !(blockIdx.x == 0 || is_last) || call % 128 != 64) return;
-    long long d[8];
-    for (int i = 0; i < 8; ++i) d[i] = trace[i] ? trace[i] - trace[0] : -1;
-    printf("cp-trace rank %d call %llu cta %d last %d select %d start_ns %llu end_ns %llu cycles "
-           "%lld %lld %lld %lld %lld %lld %lld %lld\n", p.rank, (unsigned long long)call,
-           (int)blockIdx.x, is_last, p.topk > 0, (unsigned long long)start_ns,
-           (unsigned long long)cp_clock_ticks(), (long long)clock64() - trace[0],
-           d[1], d[2], d[3], d[4], d[5], d[6], d[7]);
-  };
-#endif
 
   // nvfp4's tables (4 KiB of f16 bytes, then 2 KiB of e4m3 bytes) are loaded before the error
   // word is checked, so that the two round trips overlap: at small batches they are a good part
@@ -180,7 +141,7 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   // An earlier call failed and the host raises at its next check. A pushed call stops here so
   // that replays do not wait on peers; a local call has nothing to wait for, and the check's
   // round trip would come before its first key byte.
-  if ((push || CP_LOCAL_FAILED_CHECK) && failed(p)) return;
+  if (push && failed(p)) return;
 #pragma unroll
   for (int r = 0; r < kLutLoads; ++r) {
     const int i = threadIdx.x + r * kThreads;
@@ -191,7 +152,6 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   }
   if (threadIdx.x == 0) cta_failed = 0;
   __syncthreads();
-  CP_PHASE(0);
 
   if (push) {
     call = *ps.calls + 1;
@@ -221,7 +181,6 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
     }
     __syncthreads();
   }
-  CP_PHASE(1);
 
   if (!cta_failed) {
     const Vecs vs = {p.query_len * p.num_heads, p.num_heads, p.query_len};
@@ -252,7 +211,7 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
     const int64_t units = (int64_t)gridDim.x * per_cta;
     int group = 1;
     if (!split && (vs.count <= per_pass || W)) {
-      const int most = vs.count <= per_pass ? kSpan * kGroupMax<F, NT> : kSpan;
+      const int most = vs.count <= per_pass ? kSpan * kGroupMaxOf<F, NT> : kSpan;
       int64_t best = -1;
       for (int gs = 1; gs <= most; ++gs) {
         const int64_t rounds = ((int64_t)p.requests * ((kw + gs - 1) / gs) + units - 1) / units;
@@ -359,7 +318,7 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
             if (W && r >= reads) return;
             keep(cp_shfl_int(mine, r), val);
           };
-#if CP_SMEM_ON
+#if CP_USE_MMA
           if constexpr (kStages<F> > 0 && !split) {
             score_pages_smem<F, NT, W>(p, streamed, page_of, cuts, q, g, c, ring, done);
           } else
@@ -373,7 +332,7 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
 #pragma unroll 1
                 for (int h = 0; h < parts; ++h) {
                   const int t0 = (first_part + h) * kSplitTiles;
-#if CP_SMEM_ON
+#if CP_USE_MMA
                   if constexpr (kStages<F> > 0)
                     score_part_smem<F, NT, W, kSplitTiles>(p, pr, cuts, q, g, c, ring, t0, val);
                   else
@@ -416,14 +375,11 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   }
 
   if (!push) return;
-  CP_PHASE(2);
   const bool select = p.topk > 0;
   if (select) {  // every CTA's shard columns are written before any CTA selects from them
     cp_fence_gpu();  // the shard is this GPU's memory: device scope orders it
     if (!grid_barrier(p, ps, call)) cta_failed = 1;
-    CP_PHASE(3);
     if (!cta_failed) select_local(p);
-    CP_PHASE(4);
   }
   // Completion: the last CTA to finish signals every peer; it (and, when selecting, every CTA
   // with candidates to merge) waits for every peer's signal.
@@ -431,14 +387,9 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   __syncthreads();
   if (threadIdx.x == 0) is_last = atomicAdd(ps.ticket, 1u) == gridDim.x - 1;
   __syncthreads();
-  CP_PHASE(5);
   // merge_candidates' items, a warp each over the grid: the CTAs past them have none to wait for
   const int64_t merges = (int64_t)p.requests * p.query_len * p.heads_per_rank;
-  const bool merger =
-      select && (CP_SELECT_WAIT_ALL || (int64_t)blockIdx.x * kWarpsPerCta < merges);
-#if defined(CP_PHASE_TRACE) && !defined(CP_HIP)
-  if (!is_last && !merger) print_trace();
-#endif
+  const bool merger = select && (int64_t)blockIdx.x * kWarpsPerCta < merges;
   if (!is_last && !merger) return;
   if (is_last) cp_fence_sys();  // every CTA's writes (seen through the ticket) before the release
   if (!handshake_failed(p)) {
@@ -450,12 +401,7 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
       cta_failed = 1;
   }
   __syncthreads();
-  CP_PHASE(6);
   if (merger && !cta_failed && !handshake_failed(p)) merge_candidates(p);
-  CP_PHASE(7);
-#if defined(CP_PHASE_TRACE) && !defined(CP_HIP)
-  print_trace();
-#endif
   if (is_last && threadIdx.x == 0) {
     *ps.ticket = 0u;
     *ps.barrier = 0u;
@@ -464,13 +410,11 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
 }
 
 // Query n-tiles per pass for `vectors` = T * H query vectors: registers hold every tile's query
-// fragment, so more than 4 tiles take several passes instead.
+// fragment, so more than 4 tiles take several passes instead (the later passes find the page in
+// L2).
 int query_tiles(int vectors) {
 #if CP_USE_MMA
-  static_assert(CP_MAX_QUERY_TILES == 1 || CP_MAX_QUERY_TILES == 2 || CP_MAX_QUERY_TILES == 4,
-                "CP_MAX_QUERY_TILES must be 1, 2 or 4");
-  const int tiles = vectors <= 8 ? 1 : vectors <= 16 ? 2 : 4;
-  return tiles < CP_MAX_QUERY_TILES ? tiles : CP_MAX_QUERY_TILES;
+  return vectors <= 8 ? 1 : vectors <= 16 ? 2 : 4;
 #else
   (void)vectors;
   return 1;
@@ -478,22 +422,21 @@ int query_tiles(int vectors) {
 }
 
 // The whole-page (or warpgroup) instance, or with split (warps per page, 4 or 2) the split-page
-// one where F has it. Each split is its own instance: a runtime split count cost the four-warp
-// instance 0.2-0.5 µs a call in registers and code (docs/BENCHMARKS.md).
+// one. Each split is its own instance: a runtime split count would cost the four-warp instance
+// registers and code in its page loop.
 template <int F, int NT, bool W>
 int launch_nt(const ScoreParams& p, const PushState* push, int split, int grid, void* stream) {
+  static_assert(kSplitFewestWarps == 2, "split instances: four warps a page and two");
   const PushState none = {};
   const auto stream_ = (cp_stream_t)stream;
-  if constexpr (!W && kSplits<F>) {
+  if constexpr (!W) {
     if (split == kWarpsPerCta) {
       score_kernel<F, NT, false, kWarpsPerCta><<<grid, kThreads, 0, stream_>>>(p, push ? *push : none);
       return (int)cp_get_last_error();
     }
-    if constexpr (kSplitFewest<F> == 2) {
-      if (split == 2) {
-        score_kernel<F, NT, false, 2><<<grid, kThreads, 0, stream_>>>(p, push ? *push : none);
-        return (int)cp_get_last_error();
-      }
+    if (split == 2) {
+      score_kernel<F, NT, false, 2><<<grid, kThreads, 0, stream_>>>(p, push ? *push : none);
+      return (int)cp_get_last_error();
     }
   }
   score_kernel<F, NT, W, 0><<<grid, kThreads, 0, stream_>>>(p, push ? *push : none);
@@ -522,12 +465,10 @@ int launch_format(const ScoreParams& p, const PushState* push, bool wgmma, int s
 // resident at once, so each instance's grid is sized on its own occupancy).
 template <int F, int NT, bool W>
 int occupancy_nt(int split, int* ctas) {
-  if constexpr (!W && kSplits<F>) {
+  if constexpr (!W) {
     if (split == kWarpsPerCta)
       return (int)cp_occupancy(ctas, score_kernel<F, NT, false, kWarpsPerCta>, kThreads, 0);
-    if constexpr (kSplitFewest<F> == 2) {
-      if (split == 2) return (int)cp_occupancy(ctas, score_kernel<F, NT, false, 2>, kThreads, 0);
-    }
+    if (split == 2) return (int)cp_occupancy(ctas, score_kernel<F, NT, false, 2>, kThreads, 0);
   }
   return (int)cp_occupancy(ctas, score_kernel<F, NT, W, 0>, kThreads, 0);
 }
@@ -575,13 +516,7 @@ int score_occupancy(int format, int vectors, bool wgmma, int split, int* ctas_pe
 bool score_has_wgmma(int vectors) { return CP_WGMMA && query_tiles(vectors) == 4; }
 
 int score_split_warps(int format) {
-  switch (format) {
-    case kBF16: return kSplitFewest<kBF16>;
-    case kFP8: return kSplitFewest<kFP8>;
-    case kNVFP4: return kSplitFewest<kNVFP4>;
-    case kNVFP4Narrow: return kSplitFewest<kNVFP4Narrow>;
-    default: return 0;
-  }
+  return format >= kBF16 && format <= kNVFP4Narrow ? kSplitFewestWarps : 0;
 }
 
 }  // namespace cpindex

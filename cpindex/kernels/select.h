@@ -133,18 +133,12 @@ CP_DEVICE Picks<1> warp_pick_by_rounds(int n, int k, int lane, Key key) {
 }
 
 // The warp's top k of n keys (key(e) for e < n), handed to use(picks) as the lanes' shares.
-// Up to CP_SELECT_RANK_KEYS keys per lane (2: a (row, head)'s local share up to 64 blocks on
-// 32-wide warps, the merge of 4 ranks' 16 candidates) are ranked by counting, more by rounds.
-// 0 takes the rounds always (a measurement and test switch, docs/kernel.md).
-#ifndef CP_SELECT_RANK_KEYS
-#define CP_SELECT_RANK_KEYS 2
-#endif
-static_assert(CP_SELECT_RANK_KEYS >= 0 && CP_SELECT_RANK_KEYS <= 2, "CP_SELECT_RANK_KEYS: 0, 1 or 2");
-
+// Up to two keys per lane (a (row, head)'s local share up to 64 blocks on 32-wide warps, the
+// merge of 4 ranks' 16 candidates) are ranked by counting, more by rounds.
 template <typename Key, typename Use>
 CP_DEVICE void warp_topk(int n, int k, int lane, Key key, Use use) {
-  if (CP_SELECT_RANK_KEYS >= 1 && n <= CP_WARP) use(warp_pick_by_rank<1>(n, lane, key));
-  else if (CP_SELECT_RANK_KEYS >= 2 && n <= 2 * CP_WARP) use(warp_pick_by_rank<2>(n, lane, key));
+  if (n <= CP_WARP) use(warp_pick_by_rank<1>(n, lane, key));
+  else if (n <= 2 * CP_WARP) use(warp_pick_by_rank<2>(n, lane, key));
   else use(warp_pick_by_rounds(n, k, lane, key));
 }
 
