@@ -31,7 +31,7 @@ using cpindex::ScoreParams;
 void score(const torch::Tensor& q, const torch::Tensor& kv, const c10::optional<torch::Tensor>& ks,
            const torch::Tensor& block_table, const torch::Tensor& seq_lens,
            const torch::Tensor& params_image, const c10::optional<torch::Tensor>& push_image,
-           int64_t format, bool wgmma, int64_t split, int64_t grid) {
+           int64_t format, bool wgmma, int64_t split, int64_t grid, int64_t tag) {
   // Validation happened once, in Python (cpindex/validation.py); these are cheap invariants.
   TORCH_CHECK(params_image.numel() == (int64_t)sizeof(ScoreParams), "ScoreParams image size");
   const int fewest = cpindex::score_split_warps((int)format);
@@ -58,6 +58,7 @@ void score(const torch::Tensor& q, const torch::Tensor& kv, const c10::optional<
   p.bt_row_stride = block_table.stride(0);
   p.bt_cols = block_table.size(1);
   p.seq_lens = seq_lens.data_ptr<int32_t>();
+  p.tag = static_cast<uint64_t>(tag);  // the caller's tag (-1: none); a graph replays it
 
   const c10::cuda::CUDAGuard guard(q.device());
   void* stream = at::cuda::getCurrentCUDAStream().stream();
@@ -175,7 +176,10 @@ py::dict params_layout() {
   CP_FIELD(PushState, peer_q_ident); CP_FIELD(PushState, q_idents); CP_FIELD(ScoreParams, ident);
   CP_FIELD(PushState, barrier); CP_FIELD(ScoreParams, topk); CP_FIELD(ScoreParams, cand_dst);
   CP_FIELD(ScoreParams, cand); CP_FIELD(ScoreParams, ids_out); CP_FIELD(ScoreParams, scores_out);
-  CP_FIELD(PushState, timeout_ticks);
+  CP_FIELD(PushState, timeout_ticks); CP_FIELD(PushState, peer_q_tag);
+  CP_FIELD(PushState, peer_fp); CP_FIELD(PushState, q_tags); CP_FIELD(PushState, fps);
+  CP_FIELD(PushState, fp_acc); CP_FIELD(ScoreParams, tag); CP_FIELD(ScoreParams, agree);
+  CP_FIELD(ScoreParams, poison_count); CP_FIELD(ScoreParams, poison);
 #undef CP_FIELD
   d["sizeof.ScoreParams"] = (int64_t)sizeof(ScoreParams);
   d["sizeof.PushState"] = (int64_t)sizeof(PushState);

@@ -28,6 +28,10 @@ enum ErrorCode : uint32_t {
   kErrWidth = 4,           // a row needs more blocks than width or block_table provides
   kErrLength = 5,          // a request's seq_len is shorter than its query_len
   kErrMismatch = 6,        // a peer's call is not this call (shape, forcing or configuration)
+  kErrSlot = 7,            // write_keys: a slot past the cache (the key was not written)
+  kErrTag = 8,             // a peer's call carries another tag
+  kErrAgreement = 9,       // a peer read other block-table entries or lengths (outputs poisoned)
+  kErrReplica = 10,        // a replica of a head delivered other queries (outputs poisoned)
 };
 
 // Lives in host-mapped pinned memory so the host reads it without a device sync.
@@ -38,8 +42,9 @@ struct ErrorWord {
   uint32_t claim; // first writer wins
   uint64_t call;  // the call count that failed (1-based)
   uint64_t detail;
+  uint64_t mine;  // kErrTag / kErrAgreement: this rank's value (detail: the peer's)
 };
-static_assert(sizeof(ErrorWord) == 32, "ErrorWord layout is shared with Python");
+static_assert(sizeof(ErrorWord) == 40, "ErrorWord layout is shared with Python");
 
 // Per-rank handshake state in peer-visible memory (see docs/design.md).
 struct PushState {
@@ -51,8 +56,13 @@ struct PushState {
   uint64_t* peer_q_flag[kMaxWorld];   // &q_flags[my rank] on rank p
   uint64_t* peer_s_flag[kMaxWorld];   // &s_flags[my rank] on rank p
   uint64_t* peer_q_ident[kMaxWorld];  // &q_idents[my rank] on rank p: my call's identity
+  uint64_t* peer_q_tag[kMaxWorld];    // &q_tags[my rank] on rank p: my call's tag
+  uint64_t* peer_fp[kMaxWorld];       // &fps[my rank] on rank p: my call's agreement hash
   uint32_t* barrier;                  // local, [1]: CTAs past scoring (select mode); reset by the last
   const uint64_t* q_idents;           // local, [world]: identity of each rank's delivered call
+  const uint64_t* q_tags;             // local, [world]: tag of each rank's delivered call
+  const uint64_t* fps;                // local, [world]: each rank's agreement hash of the call
+  unsigned long long* fp_acc;         // local, [2]: this rank's hash being summed (call parity)
   const uint8_t* q_src;               // my query rows, [rows, q_src_bytes_per_row] contiguous
   int64_t q_bytes;                    // rows * heads_per_rank * 128 * elem size
   uint64_t timeout_ticks;
@@ -93,6 +103,11 @@ struct ScoreParams {
   int shard_columns;
   int64_t out_row_stride;
   uint64_t ident;       // push mode: this call's identity (shape, forcing, config); all ranks equal
+  uint64_t tag;         // push mode: the caller's tag (patched per call; 2**63: none)
+  int agree;            // push mode: hash the block-table entries and lengths the call reads
+                        // (and compare replicas' queries); every rank must hold the same
+  int64_t poison_count; // push mode: elements of this rank's outputs a failed agreement poisons
+  float* poison;        // score_push: this rank's [heads_per_rank, rows, width] scores (NaN)
   // select mode (push, topk > 0): dst is this rank's shard ([heads][rows][kw], shard_columns);
   // its top-k candidates per (row, head h) go to cand_dst[h * cand_copies + c], the owners'
   // [rows][topk] int64 blocks for this rank; each owner merges its own

@@ -107,6 +107,31 @@ class ErrorMonitor:
                 peer=w.peer,
                 call=w.call,
             )
+        if w.code == structs.ERR_TAG:
+            raise OutOfStepError(
+                f"rank {w.rank}: call {w.call} is out of step with rank {w.peer}: "
+                f"{_tag(w.mine)} here, {_tag(w.detail)} on rank {w.peer} (a rank skipped, "
+                "repeated or reordered a call). Nothing was scored; reset() to go on.",
+                rank=w.rank,
+                peer=w.peer,
+                call=w.call,
+            )
+        if w.code in (structs.ERR_AGREEMENT, structs.ERR_REPLICA):
+            what = (
+                f"rank {w.peer} read other block-table entries or seq_lens (agreement hash "
+                f"{w.detail:#018x} there, {w.mine:#018x} here)"
+                if w.code == structs.ERR_AGREEMENT
+                else f"rank {w.peer}'s queries differ from rank {w.detail}'s, which holds the "
+                "same head"
+            )
+            raise OutOfStepError(
+                f"rank {w.rank}: call {w.call}: the ranks disagree on their inputs: {what}. "
+                "Every rank must pass the same block_table rows, seq_lens and (replicated "
+                "heads) queries; this call's outputs are NaN. reset() to go on.",
+                rank=w.rank,
+                peer=w.peer,
+                call=w.call,
+            )
         phase = PHASES.get(w.code, f"code {w.code}")
         raise PeerTimeoutError(
             f"rank {w.rank}: call {w.call} timed out waiting for rank {w.peer}'s {phase} "
@@ -129,6 +154,10 @@ class ErrorMonitor:
             self._own.zero_()
             torch.cuda.synchronize(self._own.device)
         self.clear_host()
+
+
+def _tag(word: int) -> str:
+    return "no tag" if word == structs.NO_TAG else f"tag {word}"
 
 
 class LaunchShape(NamedTuple):
@@ -226,6 +255,8 @@ class KernelScorer:
         shard_columns: bool,
         out_row_stride: int,
         ident: int = 0,
+        agree: bool = False,
+        poison: tuple[int, int] = (0, 0),
         select: dict | None = None,
     ) -> torch.Tensor:
         """A ScoreParams image (pointers to keys, table and lengths are patched per call)."""
@@ -249,6 +280,11 @@ class KernelScorer:
             out_row_stride,
         )
         p.ident = ident
+        # pushed calls: hash what the call reads and compare it across ranks; on a mismatch
+        # the kernel fills (address, elements) of this rank's outputs with NaN (select: its
+        # ids and scores, poison's address unused)
+        p.agree = int(agree)
+        p.poison, p.poison_count = poison
         if select is not None:  # select_blocks' fused candidate exchange (push mode)
             p.topk, p.heads_per_rank = select["topk"], select["heads_per_rank"]
             p.cand_copies, p.cand = select["cand_copies"], select["cand"]
@@ -269,15 +305,20 @@ class KernelScorer:
         width: int,
         query_len: int,
         push: torch.Tensor | None = None,
+        tag: int | None = None,
     ) -> None:
-        """One kernel launch on the current stream."""
+        """One kernel launch on the current stream. ``tag`` (pushed calls): the caller's tag,
+        compared with every peer's."""
         kv, ks = cache_parts(index_cache)
         fid = self.fmt_id
         if ks is not None and kv.stride(1) % 16:  # 8-byte aligned nvfp4 tokens: its own kernel
             fid = structs.NVFP4_NARROW
         requests, pushed = block_table.shape[0], push is not None
         grid, wgmma, split = self.grid(requests, width, pushed, query_len, fid)
-        self.mod.score(q, kv, ks, block_table, seq_lens, params, push, fid, wgmma, split, grid)
+        word = -1 if tag is None else tag  # int64 on the way in: -1 is NO_TAG's bits
+        self.mod.score(
+            q, kv, ks, block_table, seq_lens, params, push, fid, wgmma, split, grid, word
+        )
 
     def score_local(
         self,

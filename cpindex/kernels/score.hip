@@ -24,6 +24,7 @@
 #include "keys.h"
 #include "dot.h"
 #include "waits.h"
+#include "agree.h"
 #include "page.h"
 #include "select.h"
 
@@ -164,6 +165,7 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
       __syncthreads();
       if (threadIdx.x == 0) {
         *reinterpret_cast<volatile uint64_t*>(ps.peer_q_ident[dest]) = p.ident;
+        *reinterpret_cast<volatile uint64_t*>(ps.peer_q_tag[dest]) = p.tag;
         cp_store_release_sys(ps.peer_q_flag[dest], call);
       }
     }
@@ -173,13 +175,21 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
         cta_failed = 1;
       } else {  // the peer's call must be this call: same shape, forcing and configuration
         const uint64_t theirs = *reinterpret_cast<volatile const uint64_t*>(ps.q_idents + threadIdx.x);
+        const uint64_t tag = *reinterpret_cast<volatile const uint64_t*>(ps.q_tags + threadIdx.x);
         if (theirs != p.ident) {
           report(p, kErrMismatch, threadIdx.x, call, theirs);
+          cta_failed = 1;
+        } else if (tag != p.tag) {  // the same call shape, but not the call the caller tagged
+          report(p, kErrTag, threadIdx.x, call, tag, p.tag);
           cta_failed = 1;
         }
       }
     }
     __syncthreads();
+    if (p.agree && !cta_failed) {
+      agreement_hash(p, ps, call);
+      check_replicas(p, ps, call);
+    }
   }
 
   if (!cta_failed) {
@@ -392,16 +402,34 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   const bool merger = select && (int64_t)blockIdx.x * kWarpsPerCta < merges;
   if (!is_last && !merger) return;
   if (is_last) cp_fence_sys();  // every CTA's writes (seen through the ticket) before the release
+  __shared__ uint64_t fp_mine;
+  if (is_last && p.agree && threadIdx.x == 0) fp_mine = take_agreement_hash(ps, call);
+  __syncthreads();
   if (!handshake_failed(p)) {
-    if (is_last && (int)threadIdx.x < p.world)
+    if (is_last && (int)threadIdx.x < p.world) {
+      // the hash goes out with the score flag; the release orders it before the flag
+      if (p.agree) *reinterpret_cast<volatile uint64_t*>(ps.peer_fp[threadIdx.x]) = fp_mine;
       cp_store_release_sys(ps.peer_s_flag[threadIdx.x], call);
+    }
     if ((int)threadIdx.x < p.world &&
         !wait_flag(p, ps.s_flags + threadIdx.x, call, ps.timeout_ticks, kErrTimeoutScores,
                    threadIdx.x))
       cta_failed = 1;
   }
   __syncthreads();
-  if (merger && !cta_failed && !handshake_failed(p)) merge_candidates(p);
+  // Every rank's hash is in (or the handshake failed): compare, and poison this rank's outputs
+  // when the ranks disagreed, so that no mix of their data is ever read as a result.
+  __shared__ int agree_check, poisoned;
+  if (threadIdx.x == 0) agree_check = p.agree && !cta_failed && !handshake_failed(p);
+  __syncthreads();
+  if (agree_check) hashes_agree(p, ps, call);
+  if (threadIdx.x == 0) {
+    const uint32_t code = error_code(p);
+    poisoned = p.agree && (code == kErrAgreement || code == kErrReplica);
+  }
+  __syncthreads();
+  if (poisoned) poison_outputs(p);
+  else if (merger && !cta_failed && !handshake_failed(p)) merge_candidates(p);
   if (is_last && threadIdx.x == 0) {
     *ps.ticket = 0u;
     *ps.barrier = 0u;

@@ -20,6 +20,9 @@ FORMAT_IDS = {"bf16": 0, "fp8": 1, "nvfp4": 2}
 NVFP4_NARROW = 3
 ERR_TIMEOUT_QUERIES, ERR_TIMEOUT_SCORES, ERR_BAD_PAGE, ERR_WIDTH, ERR_LENGTH = 1, 2, 3, 4, 5
 ERR_MISMATCH = 6
+ERR_SLOT, ERR_TAG, ERR_AGREEMENT, ERR_REPLICA = 7, 8, 9, 10
+#: The tag word of a call made without a tag (tags are 0 <= tag < 2**63).
+NO_TAG = (1 << 64) - 1
 
 
 class ErrorWord(C.Structure):
@@ -30,6 +33,7 @@ class ErrorWord(C.Structure):
         ("claim", C.c_uint32),
         ("call", C.c_uint64),
         ("detail", C.c_uint64),
+        ("mine", C.c_uint64),
     ]
 
 
@@ -43,8 +47,13 @@ class PushState(C.Structure):
         ("peer_q_flag", C.c_void_p * MAX_WORLD),
         ("peer_s_flag", C.c_void_p * MAX_WORLD),
         ("peer_q_ident", C.c_void_p * MAX_WORLD),
+        ("peer_q_tag", C.c_void_p * MAX_WORLD),
+        ("peer_fp", C.c_void_p * MAX_WORLD),
         ("barrier", C.c_void_p),
         ("q_idents", C.c_void_p),
+        ("q_tags", C.c_void_p),
+        ("fps", C.c_void_p),
+        ("fp_acc", C.c_void_p),
         ("q_src", C.c_void_p),
         ("q_bytes", C.c_int64),
         ("timeout_ticks", C.c_uint64),
@@ -83,6 +92,10 @@ class ScoreParams(C.Structure):
         ("shard_columns", C.c_int),
         ("out_row_stride", C.c_int64),
         ("ident", C.c_uint64),
+        ("tag", C.c_uint64),
+        ("agree", C.c_int),
+        ("poison_count", C.c_int64),
+        ("poison", C.c_void_p),
         ("topk", C.c_int),
         ("heads_per_rank", C.c_int),
         ("cand_copies", C.c_int),

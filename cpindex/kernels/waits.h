@@ -7,12 +7,12 @@ namespace cpindex {
 namespace {
 
 CP_DEVICE void report(const ScoreParams& p, uint32_t code, uint32_t peer, uint64_t call,
-                      uint64_t detail) {
+                      uint64_t detail, uint64_t mine = 0) {
   if (atomicCAS(&p.err->claim, 0u, 1u) != 0u) return;  // first error wins
   ErrorWord* words[2] = {p.err, p.err_host};
   for (ErrorWord* e : words) {
     if (e == nullptr) continue;
-    e->rank = p.rank, e->peer = peer, e->call = call, e->detail = detail;
+    e->rank = p.rank, e->peer = peer, e->call = call, e->detail = detail, e->mine = mine;
     cp_fence_sys();
     *reinterpret_cast<volatile uint32_t*>(&e->code) = code;
   }
@@ -32,7 +32,8 @@ CP_DEVICE bool failed(const ScoreParams& p) { return error_code(p) != kErrNone; 
 // call still completes its handshake.
 CP_DEVICE bool handshake_failed(const ScoreParams& p) {
   const uint32_t code = error_code(p);
-  return code == kErrTimeoutQueries || code == kErrTimeoutScores || code == kErrMismatch;
+  return code == kErrTimeoutQueries || code == kErrTimeoutScores || code == kErrMismatch ||
+         code == kErrTag;
 }
 
 // Spins until *flag >= call. False (after reporting) when the peer is later than the timeout,

@@ -13,6 +13,9 @@ Region of rank r (offsets in bytes)::
     512    q_flags u64[16]  slot p: last call whose queries rank p delivered here
     1024   s_flags u64[16]  slot p: last call whose scores rank p delivered here
     1536   q_ident u64[16]  slot p: identity of the call whose queries rank p delivered here
+    1664   q_tag   u64[16]  slot p: tag of the call whose queries rank p delivered here
+    1792   fps     u64[16]  slot p: rank p's agreement hash of its last call (sent with scores)
+    1920   fp_acc  u64[2]   this rank's agreement hash being summed, by call parity
     4096   queries [world][max_rows][heads_per_rank][128] (query element size)
     ...    recv    f32 [heads_per_rank][max_rows * max_width]   (used as [hpr, rows, width])
     ...    cand    i64 [world][heads_per_rank][max_rows * max_topk]  select_blocks candidates
@@ -37,7 +40,7 @@ from ..validation import Call
 from .base import Context, Transport
 
 OFF_CALLS, OFF_TICKET, OFF_BARRIER, OFF_ERR = 0, 8, 16, 64
-OFF_QFLAGS, OFF_SFLAGS, OFF_QIDENT = 512, 1024, 1536
+OFF_QFLAGS, OFF_SFLAGS, OFF_QIDENT, OFF_QTAG, OFF_FPS, OFF_FPACC = 512, 1024, 1536, 1664, 1792, 1920
 FLAG_BYTES = 4096
 
 
@@ -119,12 +122,15 @@ class PushEngine:
         base = bases[rank]
         ps.calls, ps.ticket, ps.barrier = base + OFF_CALLS, base + OFF_TICKET, base + OFF_BARRIER
         ps.q_flags, ps.s_flags = base + OFF_QFLAGS, base + OFF_SFLAGS
-        ps.q_idents = base + OFF_QIDENT
+        ps.q_idents, ps.q_tags = base + OFF_QIDENT, base + OFF_QTAG
+        ps.fps, ps.fp_acc = base + OFF_FPS, base + OFF_FPACC
         for p in range(w):
             ps.peer_q_slot[p] = bases[p] + layout.q_off + rank * layout.q_slot
             ps.peer_q_flag[p] = bases[p] + OFF_QFLAGS + 8 * rank
             ps.peer_s_flag[p] = bases[p] + OFF_SFLAGS + 8 * rank
             ps.peer_q_ident[p] = bases[p] + OFF_QIDENT + 8 * rank
+            ps.peer_q_tag[p] = bases[p] + OFF_QTAG + 8 * rank
+            ps.peer_fp[p] = bases[p] + OFF_FPS + 8 * rank
         ps.timeout_ticks = int(cfg.timeout_s * timeout_ticks_per_s)
         self.push_image = structs.image(ps)
         self._owners = partition.head_owners(cfg.num_heads, w)
@@ -160,6 +166,8 @@ class PushEngine:
             shard_columns=False,
             out_row_stride=width,
             ident=call_identity(cfg, requests, query_len, width, init_blocks, local_blocks),
+            agree=cfg.fingerprint,
+            poison=(self.bases[self.ctx.rank] + lay.recv_off, self.hpr * rows * width),
         )
 
     def _select_params(
@@ -197,6 +205,8 @@ class PushEngine:
             shard_columns=True,
             out_row_stride=kw,
             ident=call_identity(cfg, *shape),
+            agree=cfg.fingerprint,
+            poison=(0, self.hpr * rows * topk),
             select=dict(
                 topk=topk,
                 heads_per_rank=self.hpr,
@@ -228,6 +238,7 @@ class PushEngine:
             width=call.width,
             query_len=call.query_len,
             push=self.push_image,
+            tag=call.tag,
         )
         return self.selected.views(call.rows, topk)
 
@@ -246,6 +257,7 @@ class PushEngine:
             width=width,
             query_len=call.query_len,
             push=self.push_image,
+            tag=call.tag,
         )
         return self.recv[: self.hpr * rows * width].view(self.hpr, rows, width)
 

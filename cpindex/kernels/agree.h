@@ -1,0 +1,111 @@
+// agree.h: what pushed calls check beyond their identity: that every rank read the same
+// block-table entries and lengths, and that replicas of a head delivered the same queries.
+// Part of the scoring kernel's one translation unit: only score.hip includes it.
+//
+// Each rank sums a hash over the entries it would read (every request, not only its share:
+// the table is a few bytes per 128 keys) into a per-call accumulator, spread over the whole
+// grid so no CTA's share of the scan grows. The last CTA publishes the sum beside its score
+// flag; every waiting CTA compares all ranks' sums once the flags are in. A wrapping sum of
+// value x odd weight(position) is order-free (any grid gives the same sum) and two tables that
+// differ in one entry never collide (an odd weight is invertible mod 2**64).
+#pragma once
+#include "config.h"
+#include "waits.h"
+
+namespace cpindex {
+namespace {
+
+CP_DEVICE uint64_t agree_weight(uint64_t key) {  // splitmix64's finalizer, made odd
+  key += 0x9e3779b97f4a7c15ull;
+  key = (key ^ (key >> 30)) * 0xbf58476d1ce4e5b9ull;
+  key = (key ^ (key >> 27)) * 0x94d049bb133111ebull;
+  return (key ^ (key >> 31)) | 1ull;
+}
+
+// This CTA's part of the call's hash, added into ps.fp_acc[call & 1]. Entry (i, j) counts where
+// some row of request i reads block j's page: init_blocks <= j < n - local_blocks; lengths
+// count for every request. Table padding past a request's blocks never counts.
+CP_DEVICE void agreement_hash(const ScoreParams& p, const PushState& ps, uint64_t call) {
+  __shared__ unsigned long long part;
+  if (threadIdx.x == 0) part = 0ull;
+  __syncthreads();
+  const int64_t cols = p.width < p.bt_cols ? p.width : p.bt_cols;
+  const int64_t entries = (int64_t)p.requests * cols;
+  const int64_t stride = (int64_t)gridDim.x * kThreads;
+  uint64_t sum = 0;
+  for (int64_t e = (int64_t)blockIdx.x * kThreads + threadIdx.x; e < entries; e += stride) {
+    const int64_t i = e / cols, j = e - i * cols;
+    const int len = p.seq_lens[i];
+    const int n = len > 0 ? (len + kPageTokens - 1) / kPageTokens : 0;
+    if (j == 0) sum += (uint64_t)(uint32_t)len * agree_weight((uint64_t)i << 21);
+    if (j >= p.init_blocks && j < n - p.local_blocks) {
+      const uint32_t page = (uint32_t)p.block_table[i * p.bt_row_stride + j];
+      sum += (uint64_t)page * agree_weight(((uint64_t)i << 21) | (uint64_t)(j + 1));
+    }
+  }
+  if (sum) atomicAdd(&part, (unsigned long long)sum);
+  __syncthreads();
+  if (threadIdx.x == 0 && part) atomicAdd(ps.fp_acc + (call & 1), part);
+}
+
+// Replicas (more ranks than heads: rank r holds head r % num_heads and the kernel scores head h
+// from rank h's queries): every rank received every rank's queries, so each checks locally,
+// and all find the same mismatch. Spread over the grid like the hash.
+CP_DEVICE void check_replicas(const ScoreParams& p, const PushState& ps, uint64_t call) {
+  if (p.world <= p.num_heads) return;
+  const int64_t words = ps.q_bytes / 16;
+  const int64_t total = (int64_t)(p.world - p.num_heads) * words;
+  const int64_t stride = (int64_t)gridDim.x * kThreads;
+  for (int64_t e = (int64_t)blockIdx.x * kThreads + threadIdx.x; e < total; e += stride) {
+    const int r = p.num_heads + (int)(e / words);
+    const int64_t w = e - (int64_t)(r - p.num_heads) * words;
+    const uint4 a = reinterpret_cast<const uint4*>(p.q + (int64_t)r * p.q_src_stride)[w];
+    const uint4 b =
+        reinterpret_cast<const uint4*>(p.q + (int64_t)(r % p.num_heads) * p.q_src_stride)[w];
+    if (a.x != b.x || a.y != b.y || a.z != b.z || a.w != b.w) {
+      report(p, kErrReplica, (uint32_t)r, call, (uint64_t)(r % p.num_heads));
+      return;
+    }
+  }
+}
+
+// The last CTA: this call's hash, ready for publishing; its accumulator is cleared for the call
+// after next (the next call sums into the other one).
+CP_DEVICE uint64_t take_agreement_hash(const PushState& ps, uint64_t call) {
+  unsigned long long* acc = ps.fp_acc + (call & 1);
+  const uint64_t h = *reinterpret_cast<volatile unsigned long long*>(acc);
+  *acc = 0ull;
+  return h | 1ull;  // never 0: a slot never written reads 0
+}
+
+// A waiting CTA, after every peer's score flag: each rank's hash equals this rank's. False
+// (after reporting) when one differs.
+CP_DEVICE bool hashes_agree(const ScoreParams& p, const PushState& ps, uint64_t call) {
+  __shared__ int ok;
+  if (threadIdx.x == 0) ok = 1;
+  __syncthreads();
+  if ((int)threadIdx.x < p.world) {
+    const uint64_t mine = *reinterpret_cast<volatile const uint64_t*>(ps.fps + p.rank);
+    const uint64_t theirs = *reinterpret_cast<volatile const uint64_t*>(ps.fps + threadIdx.x);
+    if (theirs != mine) {
+      report(p, kErrAgreement, threadIdx.x, call, theirs, mine);
+      ok = 0;
+    }
+  }
+  __syncthreads();
+  return ok != 0;
+}
+
+// A call whose ranks disagreed: its outputs hold NaN scores (and -1 ids), never a mix of ranks'
+// data. Every waiting CTA that saw it writes the same values.
+CP_DEVICE void poison_outputs(const ScoreParams& p) {
+  const float nan = __int_as_float(0x7fc00000);
+  float* scores = p.topk > 0 ? p.scores_out : p.poison;
+  for (int64_t e = threadIdx.x; e < p.poison_count; e += kThreads) {
+    scores[e] = nan;
+    if (p.topk > 0) p.ids_out[e] = -1;
+  }
+}
+
+}  // namespace
+}  // namespace cpindex
