@@ -109,19 +109,20 @@ class Nvfp4PageLayout:
         for field, value in vars(self).items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"Nvfp4PageLayout.{field}: expected an int >= 0, got {value!r}")
-        spans = [
-            (off + t * stride, size, what)
+        spans = sorted(
+            (off + t * stride, size, f"token {t}'s {what}")
             for off, stride, size, what in (
                 (self.codes_offset, self.codes_token_stride, _ROW_BYTES, "codes"),
                 (self.scales_offset, self.scales_token_stride, _GROUPS, "scales"),
             )
             for t in range(PAGE_TOKENS)
-        ]
-        spans.sort()
+        )
         end = 0
         for start, size, what in spans:
             if start < end:
-                raise ValueError(f"Nvfp4PageLayout: {what} bytes at {start} overlap other bytes")
+                raise ValueError(
+                    f"Nvfp4PageLayout: {what} (bytes from {start}) overlap other bytes"
+                )
             end = start + size
         if end > self.page_bytes:
             raise ValueError(
