@@ -165,7 +165,7 @@ def page_layout(layout: PageLayoutArg) -> Nvfp4PageLayout:
 def _describe(x: object) -> str:
     if isinstance(x, Tensor):
         return f"{x.dtype} {list(x.shape)}"
-    if isinstance(x, (tuple, list)):
+    if isinstance(x, (tuple, list)) and len(x) <= 3:  # a pair, or close to one
         return "(" + ", ".join(_describe(t) for t in x) + ")"
     return type(x).__name__
 
