@@ -714,6 +714,8 @@ def check_writes(device: torch.device | str | int | None = None) -> None:
     synchronize, outside graph capture), so later writes report their own. A no-op on the
     CPU, where :func:`write_keys` raises at once.
     """
+    if not _monitors:  # no GPU write yet (always so on a CPU-only machine)
+        return
     dev = _device(device)
     if dev.type == "cpu":
         return
