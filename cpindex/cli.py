@@ -15,6 +15,8 @@ DESCRIPTION = (
 BENCH_EXTRA = "pip install cpindex[bench]"
 TRANSPORTS = ["auto", "ipc", "mori", "collective"]
 FORMATS = ["bf16", "fp8", "nvfp4"]
+# cpindex.testing.NVFP4_FORMS but page_major (plain nvfp4), spelled out: no torch import here
+NVFP4_FORMS = [f"nvfp4-{f}" for f in ("page_major_3d", "pool", "pair", "interleaved")]
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -119,11 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument(
         "--formats",
-        type=_names([*FORMATS, "nvfp4-vllm"]),
+        type=_names([*FORMATS, *NVFP4_FORMS]),
         metavar="LIST",
         default="nvfp4",
-        help="comma list of cache formats (--kernel also takes nvfp4-vllm: vLLM's "
-        "[pages, 128, 72] layout)",
+        help="comma list of cache formats (--kernel also takes nvfp4 pages in another form: "
+        "nvfp4-page_major_3d [pages, 128, 72], nvfp4-pool (those pages in a larger pool), "
+        "nvfp4-pair, nvfp4-interleaved (the pair views of a token-interleaved cache))",
     )
     b.add_argument(
         "--rows",

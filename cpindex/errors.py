@@ -61,6 +61,12 @@ class BadBlockTableError(CPIndexError):
     """``block_table`` named a page outside the index cache (the score was written as NaN)."""
 
 
+class BadSlotError(CPIndexError, ValueError):
+    """A GPU :func:`cpindex.formats.write_keys` met a slot at or past the cache's ``pages *
+    128`` slots: that key was skipped, the others were written. Raised by
+    :func:`cpindex.formats.check_writes` (the CPU writer raises ``ValueError`` before writing)."""
+
+
 def add_note(exc: BaseException, note: str) -> None:
     """Attach ``note`` to ``exc`` so that its traceback shows it.
 

@@ -22,8 +22,9 @@ class Problem:
     block_table: torch.Tensor  # int32 [requests, max_blocks]
     seq_lens: torch.Tensor  # int32 [requests], through each request's last query token
     width: int
-    fmt: str
+    fmt: str  # bf16 | fp8 | nvfp4
     query_len: int = 1
+    form: str = "page_major"  # how an nvfp4 cache is handed over: one of NVFP4_FORMS
 
     @property
     def rows(self) -> int:
@@ -41,17 +42,71 @@ class Problem:
         return self.q[:, heads[0] : heads[-1] + 1].contiguous()
 
     def to(self, device: torch.device | str) -> Problem:
+        """The problem on ``device``; an nvfp4 cache keeps its form (strides included)."""
         cache = self.index_cache
-        moved = tuple(t.to(device) for t in cache) if isinstance(cache, tuple) else cache.to(device)
+        if self.fmt == "nvfp4" and self.form != "page_major":
+            moved = nvfp4_form(formats.to_page_layout(cache).to(device), self.form)
+        elif isinstance(cache, tuple):
+            moved = (cache[0].to(device), cache[1].to(device))
+        else:
+            moved = cache.to(device)
         return Problem(
             self.q.to(device),
-            moved,  # type: ignore[arg-type]
+            moved,
             self.block_table.to(device),
             self.seq_lens.to(device),
             self.width,
             self.fmt,
             self.query_len,
+            self.form,
         )
+
+
+#: The forms a test (or the benchmark) hands an nvfp4 cache over in, all read in place:
+#: ``page_major`` uint8 [pages, 9216]; ``page_major_3d`` uint8 [pages, 128, 72], the same bytes;
+#: ``pool`` page-major [pages, 128, 72] pages inside a larger pool (a spare page in front and 64
+#: spare bytes after each page, all random); ``pair`` contiguous (packed, scales e4m3);
+#: ``interleaved`` the pair views ``(c[..., :64], c[..., 64:])`` of a token-interleaved uint8
+#: [pages, 128, 72] cache ``c``. Format names ``"nvfp4-<form>"`` name them in tests and benchmarks.
+NVFP4_FORMS = ("page_major", "page_major_3d", "pool", "pair", "interleaved")
+
+
+def split_format(name: str) -> tuple[str, str]:
+    """``"nvfp4-pool"`` -> ``("nvfp4", "pool")``; a bare format has form ``"page_major"``."""
+    fmt, _, form = name.partition("-")
+    form = form or "page_major"
+    if fmt not in formats.BYTES_PER_TOKEN or (form != "page_major" and fmt != "nvfp4"):
+        raise ValueError(f"unknown cache format {name!r}")
+    if form not in NVFP4_FORMS:
+        raise ValueError(f"unknown nvfp4 form {form!r} in {name!r}; expected one of {NVFP4_FORMS}")
+    return fmt, form
+
+
+def nvfp4_form(cache: formats.Cache, form: str) -> formats.Cache:
+    """A copy of an nvfp4 cache, in ``form`` (one of ``NVFP4_FORMS``), on its device."""
+    pages = formats.check_cache(cache, "nvfp4")
+    page_major = formats.to_page_layout(cache)  # [pages, 9216]
+    if form == "page_major":
+        return page_major
+    if form == "page_major_3d":
+        return page_major.view(pages, formats.PAGE_TOKENS, formats.NVFP4_TOKEN_BYTES)
+    if form == "pool":
+        dev = page_major.device
+        g = torch.Generator(device=dev).manual_seed(pages)
+        shape = (pages + 1, formats.NVFP4_PAGE_BYTES + 64)
+        pool = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8, device=dev)
+        pool[1:, : formats.NVFP4_PAGE_BYTES] = page_major
+        return pool[1:, : formats.NVFP4_PAGE_BYTES].view(
+            pages, formats.PAGE_TOKENS, formats.NVFP4_TOKEN_BYTES
+        )
+    if form == "pair":
+        return formats.to_nvfp4_pair(cache)
+    if form == "interleaved":
+        c = formats.to_page_layout(cache, "interleaved").view(
+            pages, formats.PAGE_TOKENS, formats.NVFP4_TOKEN_BYTES
+        )
+        return formats.nvfp4_views(c, layout="interleaved")
+    raise ValueError(f"form must be one of {NVFP4_FORMS}, got {form!r}")
 
 
 def random_lengths(
@@ -76,7 +131,6 @@ def make_problem(
     seed: int = 0,
     lengths: torch.Tensor | None = None,
     width: int | None = None,
-    nvfp4_pair: bool = False,
     spare_pages: int = 3,
     device: torch.device | str = "cpu",
 ) -> Problem:
@@ -84,8 +138,10 @@ def make_problem(
     tokens (at least ``query_len``), each scoring ``query_len`` query rows.
 
     Keys are RMS-normed like MiniMax-M3's index keys, queries are O(1); both are quantized to
-    ``fmt``. ``width`` defaults to the blocks the longest request needs.
+    ``fmt``: ``bf16``, ``fp8``, ``nvfp4`` or ``nvfp4-<form>`` (a form of ``NVFP4_FORMS``).
+    ``width`` defaults to the blocks the longest request needs.
     """
+    fmt, form = split_format(fmt)
     rows = requests
     g = torch.Generator().manual_seed(seed)
     if lengths is None:
@@ -97,10 +153,9 @@ def make_problem(
     keys = torch.randn(pages, formats.PAGE_TOKENS, formats.HEAD_DIM, generator=g)
     keys = keys / keys.pow(2).mean(-1, keepdim=True).sqrt()
     cache: formats.Cache = formats.quantize(keys, fmt)
-    if nvfp4_pair:
-        cache = formats.to_nvfp4_pair(cache)
     table = torch.randperm(pages, generator=g)[: rows * max_blocks].view(rows, max_blocks)
     q = torch.randn(rows * query_len, num_heads, formats.HEAD_DIM, generator=g) * 2.0
     q = q.to(formats.query_dtype(fmt))
     prob = Problem(q, cache, table.to(torch.int32), lens, width or max_blocks, fmt, query_len)
+    prob.form = form  # to() builds the form on the device (a copy would lose its strides)
     return prob.to(device)

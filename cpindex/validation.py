@@ -82,8 +82,9 @@ def _aligned(name: str, t: torch.Tensor, *, pages: bool = False) -> None:
 
 def _nvfp4_tokens_aligned(cache: formats.Cache) -> None:
     """The kernel reads a token's nvfp4 values 8 or 16 bytes at a time (16 when tokens lie a
-    multiple of 16 bytes apart, else 8: vLLM's 72-byte tokens) and its two scales of a lane as
-    one 2-byte word."""
+    multiple of 16 bytes apart, as in a page-major cache; else 8, as in the pair views of a
+    token-interleaved cache's 72-byte tokens) and its two scales of a lane as one 2-byte word.
+    A page-major tensor always passes (token strides 64 and 8); only a pair can fail."""
     values, scales = formats.nvfp4_views(cache, checked=True)
     pair = isinstance(cache, tuple)
     if values.stride(1) % 8:

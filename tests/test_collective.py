@@ -53,11 +53,10 @@ class Case:
         prob = testing.make_problem(
             rows,
             max_len,
-            self.fmt.removesuffix("-pair"),
+            self.fmt,
             num_heads=self.heads,
             seed=self.seed,
             lengths=lens,
-            nvfp4_pair=self.fmt.endswith("-pair"),
         )
         prob.width += self.width_extra
         return prob

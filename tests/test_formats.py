@@ -97,7 +97,8 @@ def test_nvfp4_error_bound(dtype: torch.dtype) -> None:
 
     xf = x.float()
     groups = xf.reshape(4, 128, 8, 16)
-    expected_scale = (groups.abs().amax(-1) / 6).to(torch.float8_e4m3fn)
+    amax = groups.abs().amax(-1).clamp_min(1e-12)
+    expected_scale = F.e4m3_rn_satfinite(amax / 6).clamp_min(2.0**-9).to(torch.float8_e4m3fn)
     _, scales = F.to_nvfp4_pair(c)
     assert torch.equal(scales.view(torch.uint8), expected_scale.view(torch.uint8))
 
@@ -149,7 +150,7 @@ def test_pair_dequant_and_round_trip() -> None:
     packed, scales_u8 = _random_pair(pages=3, seed=6)
     ref = _reference_dequant(packed, scales_u8)
     for scales in (scales_u8, scales_u8.view(torch.float8_e4m3fn)):
-        c = F.from_nvfp4_pair(packed, scales)
+        c = F.to_page_layout((packed, scales))
         assert c.shape == (3, F.NVFP4_PAGE_BYTES) and c.dtype == torch.uint8
         assert _same_bits(F.dequantize(c, "nvfp4"), ref)
         assert _same_bits(F.dequantize((packed, scales), "nvfp4"), ref)
@@ -171,7 +172,7 @@ def test_quantize_exact_on_grid() -> None:
     codes[..., ::16] = 7  # each group holds +6, so amax/6 == scale exactly
     scale_bytes = torch.randint(1, 14, (2, 128, 8), generator=g, dtype=torch.uint8) << 3
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    c = F.from_nvfp4_pair(packed, scale_bytes)
+    c = F.to_page_layout((packed, scale_bytes))
     d = F.dequantize(c, "nvfp4")
     assert _same_bits(d, _exact_product(packed, scale_bytes))
     c2 = F.quantize(d, "nvfp4")
@@ -197,8 +198,12 @@ def test_byte_placement() -> None:
     assert c[1, 8192 + 8 * 5].item() == 0x38  # e4m3(1.0)
     s7 = torch.tensor(0.5 / 6).to(torch.float8_e4m3fn)
     assert c[1, 8192 + 8 * 5 + 7].item() == s7.view(torch.uint8).item()
-    nz = c.nonzero().tolist()
-    assert nz == [[1, 320], [1, 383], [1, 8232], [1, 8239]]
+    assert c[:, :8192].nonzero().tolist() == [[1, 320], [1, 383]]
+    # every other group is all zero: codes 0, scale 2**-9 (byte 0x01)
+    scales = c[:, 8192:].clone()
+    assert scales[1, 8 * 5] != 1 and scales[1, 8 * 5 + 7] != 1
+    scales[1, 8 * 5], scales[1, 8 * 5 + 7] = 1, 1
+    assert bool((scales == 1).all())
 
 
 def test_nvfp4_scale_edges() -> None:
@@ -216,8 +221,9 @@ def test_nvfp4_scale_edges() -> None:
     _, s = F.to_nvfp4_pair(c)
     s = s.float()
 
-    assert s[0, 0, 0] == 0 and bool((d[0, 0, 0:16] == 0).all())
-    assert bool((c[0, 0:8] == 0).all()) and c[0, 8192].item() == 0
+    # an all-zero group: codes +0 and the smallest scale, 2**-9 (the writer's floor), not 0
+    assert s[0, 0, 0] == 2.0**-9 and bool((d[0, 0, 0:16] == 0).all())
+    assert bool((c[0, 0:8] == 0).all()) and c[0, 8192].item() == 0x01
     assert s[0, 0, 1] > 0  # neighbouring group unaffected
     packed, scale_bytes = F.nvfp4_views(c)
     exact = _exact_product(packed, scale_bytes)
@@ -249,62 +255,124 @@ def _inside(view: torch.Tensor, base: torch.Tensor) -> bool:
     return lo <= view.data_ptr() and last + view.element_size() <= hi
 
 
-def _all_layouts(pages: int = 3, seed: int = 20) -> dict[str, F.Cache]:
+def _forms(pages: int = 3, seed: int = 20) -> dict[str, F.Cache]:
+    """The same keys in every form a cache is taken in (uint8 [pages, 9216] and its
+    [pages, 128, 72] view, the pair, the pair views of a token-interleaved cache)."""
     keys = _keys(pages=pages, seed=seed)
     keys[0, 0, :4] = torch.tensor([0.0, -0.0, -1e-30, 1e-30])  # zeros with signs, in one group
-    return {layout: F.quantize(keys, "nvfp4", layout=layout) for layout in F.NVFP4_LAYOUTS}
+    page_major = F.quantize(keys, "nvfp4")
+    interleaved = F.quantize(keys, "nvfp4", layout="interleaved").view(pages, 128, 72)
+    return {
+        "page_major": page_major,
+        "page_major_3d": page_major.view(pages, 128, 72),
+        "pair": F.quantize(keys, "nvfp4", layout="pair"),
+        "interleaved": F.nvfp4_views(interleaved, layout="interleaved"),
+    }
 
 
-def test_layouts_constant() -> None:
-    assert F.NVFP4_LAYOUTS == ("product", "vllm", "pair")
-    assert F.NVFP4_VLLM_TOKEN_BYTES == 72 == F.BYTES_PER_TOKEN["nvfp4"]
+FORMS = ("page_major", "page_major_3d", "pair", "interleaved")
+LAYOUT_OF = {"page_major": "page_major", "page_major_3d": "page_major"}
 
 
-def test_three_layouts_hold_the_same_keys() -> None:
-    caches = _all_layouts()
-    prod, vllm, pair = caches["product"], caches["vllm"], caches["pair"]
-    assert isinstance(prod, torch.Tensor) and prod.shape == (3, 9216) and prod.dtype == torch.uint8
-    assert isinstance(vllm, torch.Tensor) and vllm.shape == (3, 128, 72)
-    assert vllm.dtype == torch.uint8 and vllm.is_contiguous()
+def test_layout_names() -> None:
+    assert F.NVFP4_LAYOUTS == ("page_major", "pair")
+    assert tuple(F.NVFP4_PAGE_LAYOUTS) == ("page_major", "interleaved")
+    assert F.NVFP4_PAGE_LAYOUTS["page_major"] == F.Nvfp4PageLayout(0, 64, 8192, 8, 9216)
+    assert F.NVFP4_PAGE_LAYOUTS["interleaved"] == F.Nvfp4PageLayout(0, 72, 64, 72, 9216)
+    assert F.NVFP4_TOKEN_BYTES == 72 == F.BYTES_PER_TOKEN["nvfp4"]
+    for old in ("product", "vllm"):
+        with pytest.raises(ValueError, match=r"layout: expected one of \('page_major', 'inter"):
+            F.page_layout(old)
+    with pytest.raises(TypeError):
+        F.NVFP4_PAGE_LAYOUTS["x"] = F.NVFP4_PAGE_LAYOUTS["page_major"]  # type: ignore[index]
+
+
+def test_forms_hold_the_same_keys() -> None:
+    caches = _forms()
+    pm, pm3, pair, (iv, isc) = (caches[f] for f in FORMS)
+    assert isinstance(pm, torch.Tensor) and pm.shape == (3, 9216) and pm.dtype == torch.uint8
+    assert isinstance(pm3, torch.Tensor) and pm3.shape == (3, 128, 72) and pm3.is_contiguous()
     assert isinstance(pair, tuple) and pair[0].shape == (3, 128, 64)
     assert pair[1].shape == (3, 128, 8)
     assert pair[0].dtype == torch.uint8 and pair[1].dtype == torch.float8_e4m3fn
-    want = F.dequantize(prod, "nvfp4")
-    for layout, c in caches.items():
+    want = F.dequantize(pm, "nvfp4")
+    for form, c in caches.items():
         assert F.detect_format(c) == "nvfp4" and F.check_cache(c, "nvfp4") == 3
-        assert F.nvfp4_layout(c) == layout
+        assert F.nvfp4_layout(c) == LAYOUT_OF.get(form, "pair")
         assert _same_bits(F.dequantize(c, "nvfp4"), want)
-    # the byte maps: vLLM token t = product bytes [64t, 64t+64) then [8192+8t, 8192+8t+8)
+    # page-major: token t's codes at [64t, 64t + 64) of its page, its scales at 8192 + 8t,
+    # whatever the shape; row t of [pages, 128, 72] is not token t
+    flat = pm3.reshape(3, 9216)
+    assert torch.equal(flat, pm)
     for t in (0, 1, 77, 127):
-        assert torch.equal(vllm[:, t, :64], prod[:, 64 * t : 64 * t + 64])
-        assert torch.equal(vllm[:, t, 64:], prod[:, 8192 + 8 * t : 8192 + 8 * t + 8])
-    assert torch.equal(pair[0], vllm[:, :, :64])
-    assert torch.equal(pair[1].view(torch.uint8), vllm[:, :, 64:])
+        assert torch.equal(pm[:, 64 * t : 64 * t + 64], pair[0][:, t])
+        assert torch.equal(pm[:, 8192 + 8 * t : 8192 + 8 * t + 8], pair[1][:, t].view(torch.uint8))
+        assert torch.equal(iv[:, t], pair[0][:, t])  # interleaved: 64 codes, then 8 scales
+        assert torch.equal(isc[:, t], pair[1][:, t].view(torch.uint8))
+    assert not torch.equal(pm3[:, 1, :64], pair[0][:, 1])
 
 
-def test_conversions_between_layouts() -> None:
-    caches = _all_layouts(pages=2, seed=21)
+def test_conversions_between_forms() -> None:
+    caches = _forms(pages=2, seed=21)
+    pair_want = caches["pair"]
     for c in caches.values():
-        prod = F.to_product_layout(c)
-        vllm = F.to_vllm_layout(c)
+        pm = F.to_page_layout(c)
         packed, scales = F.to_nvfp4_pair(c)
-        assert torch.equal(prod, caches["product"]) and prod.is_contiguous()
-        assert torch.equal(vllm, caches["vllm"]) and vllm.is_contiguous()
-        assert vllm.shape == (2, 128, 72) and vllm.dtype == torch.uint8
-        assert torch.equal(packed, caches["pair"][0]) and packed.is_contiguous()
+        iv = F.to_page_layout(c, "interleaved")
+        assert torch.equal(pm, caches["page_major"]) and pm.is_contiguous()
+        assert torch.equal(packed, pair_want[0]) and packed.is_contiguous()
         assert scales.dtype == torch.float8_e4m3fn and scales.is_contiguous()
-        assert torch.equal(scales.view(torch.uint8), caches["pair"][1].view(torch.uint8))
-        for out in (prod, vllm, packed, scales):  # copies, never aliases of the input
+        assert torch.equal(scales.view(torch.uint8), pair_want[1].view(torch.uint8))
+        iv3 = iv.view(2, 128, 72)
+        assert torch.equal(iv3[:, :, :64], packed)
+        assert torch.equal(iv3[:, :, 64:], scales.view(torch.uint8))
+        for out in (pm, packed, scales, iv):  # copies, never aliases of the input
             parts = c if isinstance(c, tuple) else (c,)
             assert all(
                 out.untyped_storage().data_ptr() != p.untyped_storage().data_ptr() for p in parts
             )
-    assert torch.equal(F.from_nvfp4_pair(*caches["pair"]), caches["product"])
 
 
-def _check_zero_copy(cache: F.Cache) -> None:
+def test_custom_page_layouts() -> None:
+    """One more in-page layout is one Nvfp4PageLayout: scales first, or padded tokens."""
+    keys = _keys(pages=2, seed=25)
+    want = F.dequantize(F.quantize(keys, "nvfp4"), "nvfp4")
+    scales_first = F.Nvfp4PageLayout(1024, 64, 0, 8)
+    padded = F.Nvfp4PageLayout(0, 80, 64, 80, page_bytes=128 * 80)  # 8 spare bytes per token
+    for layout, shape3 in ((scales_first, (2, 128, 72)), (padded, (2, 128, 80))):
+        c = F.quantize(keys, "nvfp4", layout=layout)
+        assert c.shape == (2, layout.page_bytes) and c.dtype == torch.uint8
+        for cache in (c, c.view(shape3)):
+            pair = F.nvfp4_views(cache, layout=layout)
+            assert _same_bits(F.dequantize(pair, "nvfp4"), want)
+            _check_zero_copy(pair, cache)
+        assert torch.equal(F.to_page_layout(F.nvfp4_views(c, layout=layout), layout), c)
+    v, s = F.nvfp4_views(F.quantize(keys, "nvfp4", layout=padded), layout=padded)
+    assert v.stride() == (10240, 80, 1) and s.stride() == (10240, 80, 1)
+    assert s.storage_offset() == 64
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ((0, 64, 4096, 8), r"token 64's codes \(bytes from 4096\) overlap other bytes"),
+        ((0, 64, 8192, 8, 9000), "past page_bytes=9000"),
+        ((0, 72, 64, 64), "overlap"),
+        ((0, 60, 8192, 8), "overlap"),  # code runs of 64 bytes 60 apart
+        ((-8, 64, 8192, 8), r"codes_offset: expected an int >= 0"),
+        ((0, 64, 8192.0, 8), r"scales_offset: expected an int >= 0"),
+        ((0, True, 8192, 8), r"codes_token_stride: expected an int >= 0"),
+    ],
+)
+def test_page_layout_checked(args: tuple, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        F.Nvfp4PageLayout(*args)
+
+
+def _check_zero_copy(cache: F.Cache, base: F.Cache | None = None) -> None:
     """nvfp4_views aliases the input: inside its storage, and writes show through."""
-    parts = cache if isinstance(cache, tuple) else (cache, cache)
+    base = cache if base is None else base
+    parts = base if isinstance(base, tuple) else (base, base)
     before = F.dequantize(cache, "nvfp4").clone()
     v, s = F.nvfp4_views(cache)
     assert v.shape[1:] == (128, 64) and s.shape[1:] == (128, 8)
@@ -318,23 +386,26 @@ def _check_zero_copy(cache: F.Cache) -> None:
     after = F.dequantize(cache, "nvfp4")
     assert after[p, t, :2].tolist() == [-6.0, 6.0]
     assert torch.equal(after[:p], before[:p]) and torch.equal(after[p, :t], before[p, :t])
+    assert torch.equal(after[p, t + 1 :], before[p, t + 1 :])
     v[p, t, 0], s[p, t, 0] = saved  # leave the cache as it was
     assert _same_bits(F.dequantize(cache, "nvfp4"), before)
 
 
-@pytest.mark.parametrize("layout", F.NVFP4_LAYOUTS)
-def test_views_are_zero_copy(layout: str) -> None:
-    _check_zero_copy(_all_layouts(pages=2, seed=9)[layout])
+@pytest.mark.parametrize("form", FORMS)
+def test_views_are_zero_copy(form: str) -> None:
+    _check_zero_copy(_forms(pages=2, seed=9)[form])
 
 
 def test_view_strides() -> None:
-    caches = _all_layouts(pages=2, seed=9)
-    prod, vllm = caches["product"], caches["vllm"]
-    v, s = F.nvfp4_views(prod)
-    assert v.data_ptr() == prod.data_ptr() and s.data_ptr() == prod.data_ptr() + 8192
-    assert v.stride() == (9216, 64, 1) and s.stride() == (9216, 8, 1)
-    v, s = F.nvfp4_views(vllm)
-    assert v.data_ptr() == vllm.data_ptr() and s.data_ptr() == vllm.data_ptr() + 64
+    caches = _forms(pages=2, seed=9)
+    for form in ("page_major", "page_major_3d"):
+        c = caches[form]
+        v, s = F.nvfp4_views(c)
+        assert v.data_ptr() == c.data_ptr() and s.data_ptr() == c.data_ptr() + 8192
+        assert v.stride() == (9216, 64, 1) and s.stride() == (9216, 8, 1)
+    iv = caches["interleaved"][0]
+    v, s = F.nvfp4_views(caches["interleaved"])
+    assert v.data_ptr() == iv.data_ptr() and s.data_ptr() == iv.data_ptr() + 64
     assert v.stride() == (9216, 72, 1) and s.stride() == (9216, 72, 1)
     packed, scales = caches["pair"]
     v, s = F.nvfp4_views(caches["pair"])
@@ -342,22 +413,33 @@ def test_view_strides() -> None:
 
 
 def test_strided_views_accepted() -> None:
-    """Caches that are views of larger pools: page strides, token strides, slices of vLLM's."""
+    """Caches that are views of larger pools: page strides, slices, interleaved pair views."""
     keys = _keys(pages=6, seed=22)
     want = F.dequantize(F.quantize(keys, "nvfp4"), "nvfp4")
-    vllm = F.quantize(keys, "nvfp4", layout="vllm")
-    prod = F.quantize(keys, "nvfp4")
-    # a vLLM cache inside a pool with 8 spare bytes per token (token stride 80)
-    pool80 = torch.zeros(6, 128, 80, dtype=torch.uint8)
-    pool80[:, :, :72] = vllm
+    pm = F.quantize(keys, "nvfp4")
+    pm3 = pm.view(6, 128, 72)
+    iv = F.quantize(keys, "nvfp4", layout="interleaved").view(6, 128, 72)
+    g = torch.Generator().manual_seed(26)
+    # page-major pages in a pool: a spare page in front, 64 spare bytes after each page
+    pool = torch.randint(0, 256, (7, 9216 + 64), generator=g, dtype=torch.uint8)
+    pool[1:, :9216] = pm
+    pool3 = torch.randint(0, 256, (12, 128, 72), generator=g, dtype=torch.uint8)
+    pool3[1::2] = pm3  # every other page of a [pages, 128, 72] pool
+    # an interleaved cache inside a pool with 8 spare bytes per token (token stride 80)
+    pool80 = torch.randint(0, 256, (6, 128, 80), generator=g, dtype=torch.uint8)
+    pool80[:, :, :72] = iv
     cases: list[tuple[F.Cache, str, torch.Tensor]] = [
-        ((vllm[:, :, :64], vllm[:, :, 64:]), "pair", want),  # the two slices of vLLM's cache
-        ((vllm[:, :, :64], vllm[:, :, 64:].view(torch.float8_e4m3fn)), "pair", want),
-        ((vllm[::2, :, :64], vllm[::2, :, 64:]), "pair", want[::2]),
-        (vllm[1::2], "vllm", want[1::2]),
-        (pool80[:, :, :72], "vllm", want),
-        (prod[::3], "product", want[::3]),
-        (F.nvfp4_views(prod), "pair", want),  # the product layout's own views, as a pair
+        (pool[1:, :9216], "page_major", want),
+        (pool[1:, :9216].view(6, 128, 72), "page_major", want),
+        (pool3[1::2], "page_major", want),
+        (pm[::3], "page_major", want[::3]),
+        (pm3[1::2], "page_major", want[1::2]),
+        ((iv[:, :, :64], iv[:, :, 64:]), "pair", want),  # the two slices of an interleaved cache
+        ((iv[:, :, :64], iv[:, :, 64:].view(torch.float8_e4m3fn)), "pair", want),
+        ((iv[::2, :, :64], iv[::2, :, 64:]), "pair", want[::2]),
+        (F.nvfp4_views(iv[1::2], layout="interleaved"), "pair", want[1::2]),
+        ((pool80[:, :, :64], pool80[:, :, 64:72]), "pair", want),
+        (F.nvfp4_views(pm), "pair", want),  # the page-major views, as a pair
     ]
     for cache, layout, expected in cases:
         parts = cache if isinstance(cache, tuple) else (cache,)
@@ -366,9 +448,21 @@ def test_strided_views_accepted() -> None:
         assert F.check_cache(cache, "nvfp4") == expected.shape[0]
         assert F.nvfp4_layout(cache) == layout
         assert _same_bits(F.dequantize(cache, "nvfp4"), expected)
-        for convert in (F.to_product_layout, F.to_vllm_layout):
-            assert _same_bits(F.dequantize(convert(cache), "nvfp4"), expected)
+        assert _same_bits(F.dequantize(F.to_page_layout(cache), "nvfp4"), expected)
+        assert _same_bits(F.dequantize(F.to_nvfp4_pair(cache), "nvfp4"), expected)
         _check_zero_copy(cache)
+
+
+def test_pages_must_be_contiguous() -> None:
+    """A one-tensor nvfp4 cache is page-major: each page is 9216 contiguous bytes."""
+    pool80 = torch.zeros(2, 128, 80, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"index_cache: the trailing \[128, 72\] dims must be"):
+        F.check_cache(pool80[:, :, :72], "nvfp4")
+    with pytest.raises(ValueError, match=r"trailing \[128, 72\] dims must be contiguous"):
+        F.nvfp4_views(pool80[:, :, :72], layout="interleaved")
+    t = torch.zeros(2, 72, 128, dtype=torch.uint8).transpose(1, 2)
+    with pytest.raises(ValueError, match=r"trailing \[128, 72\] dims must be contiguous"):
+        F.nvfp4_views(t)
 
 
 def test_pair_with_page_stride_accepted() -> None:
@@ -377,19 +471,33 @@ def test_pair_with_page_stride_accepted() -> None:
     assert not sub_p.is_contiguous()
     assert F.detect_format((sub_p, sub_s)) == "nvfp4"
     assert F.check_cache((sub_p, sub_s), "nvfp4") == 3
-    c = F.from_nvfp4_pair(sub_p, sub_s)
+    c = F.to_page_layout((sub_p, sub_s))
     assert _same_bits(F.dequantize(c, "nvfp4"), F.dequantize((sub_p, sub_s), "nvfp4"))
     assert _same_bits(F.dequantize(c, "nvfp4"), _reference_dequant(packed[::2], scales[::2]))
 
 
 def test_quantize_layout_argument() -> None:
     keys = _keys(pages=1, seed=23)
-    assert torch.equal(F.quantize(keys, "nvfp4"), F.quantize(keys, "nvfp4", layout="product"))
-    with pytest.raises(ValueError, match=r"layout must be one of \('product', 'vllm', 'pair'\)"):
-        F.quantize(keys, "nvfp4", layout="72")
-    with pytest.raises(ValueError, match=r"layout: cache_format 'fp8' has only layout 'product'"):
-        F.quantize(keys, "fp8", layout="vllm")
-    assert F.quantize(keys, "bf16", layout="product").dtype == torch.bfloat16
+    assert torch.equal(F.quantize(keys, "nvfp4"), F.quantize(keys, "nvfp4", layout="page_major"))
+    for old in ("product", "vllm", "72"):
+        with pytest.raises(ValueError, match=r"layout: expected one of \('page_major', 'inter"):
+            F.quantize(keys, "nvfp4", layout=old)
+    with pytest.raises(
+        ValueError, match=r"layout: cache_format 'fp8' has only layout 'page_major'"
+    ):
+        F.quantize(keys, "fp8", layout="interleaved")
+    with pytest.raises(ValueError, match=r"layout: cache_format 'bf16' has only layout"):
+        F.quantize(keys, "bf16", layout=F.NVFP4_PAGE_LAYOUTS["page_major"])
+    assert F.quantize(keys, "bf16", layout="page_major").dtype == torch.bfloat16
+    pair = F.quantize(keys, "nvfp4", layout="pair")
+    assert torch.equal(F.to_page_layout(pair), F.quantize(keys, "nvfp4"))
+
+
+def test_pair_takes_no_layout() -> None:
+    pair = _forms(pages=1)["pair"]
+    with pytest.raises(ValueError, match=r"layout: index_cache is a \(packed, scales\) pair"):
+        F.nvfp4_views(pair, layout="interleaved")
+    assert F.nvfp4_views(pair, layout="page_major")[0] is pair[0]
 
 
 # --------------------------------------------------------------------------- errors
@@ -448,7 +556,7 @@ def test_check_cache_errors() -> None:
     with pytest.raises(ValueError, match="contiguous"):
         F.check_cache((packed.transpose(1, 2).contiguous().transpose(1, 2), scales), "nvfp4")
     with pytest.raises(TypeError, match="index_cache"):
-        F.from_nvfp4_pair(packed.to(torch.int8), scales)
+        F.to_page_layout((packed.to(torch.int8), scales))
 
 
 def test_quantize_rejects_bad_keys() -> None:
@@ -461,28 +569,28 @@ def test_quantize_rejects_bad_keys() -> None:
 
 
 def test_nvfp4_layout_errors() -> None:
-    vllm = F.quantize(_keys(pages=2, seed=24), "nvfp4", layout="vllm")
+    pm3 = F.quantize(_keys(pages=2, seed=24), "nvfp4").view(2, 128, 72)
     wide = torch.zeros(2, 128, 144, dtype=torch.uint8)
-    # wrong dtype: TypeError naming the argument and the accepted layouts
+    # wrong dtype: TypeError naming the argument and the accepted forms
     for fn in (F.check_cache, lambda c, _: F.nvfp4_views(c), lambda c, _: F.nvfp4_layout(c)):
         with pytest.raises(TypeError, match=r"index_cache: expected torch\.uint8 \[pages, 9216\]"):
-            fn(vllm.to(torch.int8), "nvfp4")
+            fn(pm3.to(torch.int8), "nvfp4")
     with pytest.raises(TypeError, match=r"index_cache: cannot infer cache_format.*128, 72"):
-        F.detect_format(vllm.to(torch.int8))
+        F.detect_format(pm3.to(torch.int8))
     with pytest.raises(TypeError, match=r"kv: expected .*got torch\.bfloat16"):
         F.nvfp4_views(_keys(pages=1).bfloat16(), name="kv")
     # wrong shapes: ValueError
-    for bad in (torch.zeros(2, 128, 73, dtype=torch.uint8), vllm[:, :127], wide[:, :, :64]):
+    for bad in (torch.zeros(2, 128, 73, dtype=torch.uint8), pm3[:, :127], wide[:, :, :64]):
         with pytest.raises(ValueError, match=r"index_cache: expected .*\[pages, 128, 72\]"):
             F.check_cache(bad, "nvfp4")
     with pytest.raises(TypeError, match="index_cache"):
         F.detect_format(torch.zeros(2, 128, 64, dtype=torch.uint8))
-    # a last dim that is not contiguous: ValueError naming the argument and the strides
-    with pytest.raises(ValueError, match=r"index_cache: the last dim must be contiguous.*144, 2\]"):
-        F.check_cache(wide[:, :, ::2], "nvfp4")
-    with pytest.raises(ValueError, match=r"index_cache: the last dim must be contiguous"):
-        F.nvfp4_views(torch.zeros(2, 2 * 9216, dtype=torch.uint8)[:, ::2])
-    packed, scales = F.nvfp4_views(vllm)
+    # a page that is not contiguous: ValueError naming the argument and the strides
+    with pytest.raises(ValueError, match=r"index_cache: the trailing \[9216\] dims.*\[18432, 2\]"):
+        F.check_cache(torch.zeros(2, 2 * 9216, dtype=torch.uint8)[:, ::2], "nvfp4")
+    with pytest.raises(ValueError, match=r"index_cache: the trailing \[128, 72\] dims"):
+        F.nvfp4_views(wide[:, :, ::2])
+    packed, scales = F.nvfp4_views(pm3)
     with pytest.raises(ValueError, match=r"index_cache\[0\] \(packed\): the last dim must be"):
         F.check_cache((wide[:, :, ::2][:, :, :64], scales), "nvfp4")
     with pytest.raises(ValueError, match=r"index_cache\[1\] \(scales\): the last dim must be"):

@@ -16,6 +16,11 @@ from cpindex.kernels import launcher, structs
 
 pytestmark = [needs_gpu, pytest.mark.gpu]
 
+# nvfp4 pages in the other forms the kernel reads in place (testing.NVFP4_FORMS): page-major
+# [pages, 128, 72], the same inside a larger pool, and the pair views of a token-interleaved
+# cache (8-byte aligned tokens: the NVFP4_NARROW instance)
+NVFP4_FORMS = ["nvfp4-page_major_3d", "nvfp4-pool", "nvfp4-interleaved"]
+
 CASES = [
     # rows, max_len, init, local, extra width
     (1, 1, 0, 1, 0),
@@ -28,7 +33,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", [*FORMATS, *NVFP4_FORMS])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"r{c[0]}-len{c[1]}-i{c[2]}l{c[3]}")
 def test_kernel_matches_reference(fmt, case):
     rows, max_len, init, local, extra = case
@@ -81,7 +86,7 @@ def test_multi_token_requests_match_reference(fmt, case):
     assert_scores(got, expected(prob, init, local))
 
 
-@pytest.mark.parametrize("fmt", [*FORMATS, "nvfp4-vllm"])
+@pytest.mark.parametrize("fmt", [*FORMATS, *NVFP4_FORMS])
 @pytest.mark.parametrize(
     "case", [c for c in MULTI if c[1] * c[2] > 16], ids=lambda c: f"wg-r{c[0]}-T{c[1]}-H{c[2]}"
 )
@@ -91,11 +96,10 @@ def test_warpgroup_instance_matches_reference(fmt, case, monkeypatch):
     force_warpgroup_mma(monkeypatch)
     requests, t, heads, max_len, init, local = case
     prob = testing.make_problem(
-        requests, max_len, fmt[:5], query_len=t, num_heads=heads, seed=sum(case) + 1, device="cuda"
+        requests, max_len, fmt, query_len=t, num_heads=heads, seed=sum(case) + 1, device="cuda"
     )
-    cache = formats.to_vllm_layout(prob.index_cache) if fmt == "nvfp4-vllm" else prob.index_cache
     got = ops.block_scores(
-        prob.q, cache, prob.block_table, prob.seq_lens,
+        prob.q, prob.index_cache, prob.block_table, prob.seq_lens,
         init_blocks=init, local_blocks=local, width=prob.width, query_len=t,
     )  # fmt: skip
     assert_scores(got, expected(prob, init, local))
@@ -111,47 +115,61 @@ def test_multi_token_short_request_is_reported():
     ops._scorers.clear()
 
 
-def test_nvfp4_layouts_score_the_same():
-    """Product layout, vLLM's [pages, 128, 72] and the (packed, scales) pair, contiguous and as
-    strided slices of vLLM's cache: the same scores, bit for bit."""
+def test_nvfp4_forms_score_the_same():
+    """One set of pages as uint8 [pages, 9216], as [pages, 128, 72], as [pages, 128, 72] pages
+    inside a larger pool, as the (packed, scales) pair and as the pair views of a
+    token-interleaved cache (contiguous and every other page): the same scores, bit for bit."""
     prob = testing.make_problem(6, 3000, "nvfp4", query_len=2, seed=7, device="cuda")
-    v72 = formats.to_vllm_layout(prob.index_cache)
-    packed, scales = formats.to_nvfp4_pair(prob.index_cache)
+    pm = prob.index_cache
+    pages = pm.shape[0]
+    packed, scales = formats.to_nvfp4_pair(pm)
     # scale tokens only 2-byte aligned (a token stride of 10 bytes)
     odd = torch.zeros(*scales.shape[:2], 10, dtype=torch.uint8, device=scales.device)
     odd[:, :, :8] = scales.view(torch.uint8)
+    iv = formats.to_page_layout(pm, "interleaved").view(pages, 128, 72)
+    # the interleaved cache at every other page of a pool twice its size
+    iv_pool = torch.randint(0, 256, (2 * pages, 128, 72), dtype=torch.uint8, device="cuda")
+    iv_pool[1::2] = iv
     caches = [
+        pm.view(pages, 128, 72),
+        testing.nvfp4_form(pm, "pool"),
         (packed, scales),
-        v72,
-        (v72[:, :, :64], v72[:, :, 64:]),
+        formats.nvfp4_views(iv, layout="interleaved"),
+        (iv[:, :, :64], iv[:, :, 64:]),
+        formats.nvfp4_views(iv_pool[1::2], layout="interleaved"),
         (packed, odd[:, :, :8].view(scales.dtype)),
     ]
     args = (prob.block_table, prob.seq_lens)
-    a = ops.block_scores(prob.q, prob.index_cache, *args, query_len=2)
+    a = ops.block_scores(prob.q, pm, *args, query_len=2)
     assert_scores(a, expected(prob, 0, 1))
     for cache in caches:
         assert torch.equal(a, ops.block_scores(prob.q, cache, *args, query_len=2))
 
 
-def test_vllm_layout_is_read_in_place():
-    """No copy of vLLM's cache: the kernel reads the tensor as it is (writing through it
-    changes the scores) and a call allocates nothing near the cache's size."""
-    prob = testing.make_problem(4, 64 * 128, "nvfp4", seed=12, device="cuda")
-    v72 = formats.to_vllm_layout(prob.index_cache)
-    args = (prob.q, v72, prob.block_table, prob.seq_lens)
+@pytest.mark.parametrize("form", ["pool", "interleaved"])
+def test_nvfp4_cache_is_read_in_place(form):
+    """No copy of the cache: the kernel reads the pages where they are (writing through them
+    changes the scores) and a call allocates nothing near the cache's size. ``pool``:
+    page-major [pages, 128, 72] pages at a page stride of 9280 bytes inside a pool;
+    ``interleaved``: the pair views of a token-interleaved cache."""
+    prob = testing.make_problem(4, 64 * 128, f"nvfp4-{form}", seed=12, device="cuda")
+    cache = prob.index_cache
+    values, _ = formats.nvfp4_views(cache)
+    args = (prob.q, cache, prob.block_table, prob.seq_lens)
     before = ops.block_scores(*args)
+    assert_scores(before, expected(prob, 0, 1))
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     again = ops.block_scores(*args)
     torch.cuda.synchronize()
-    assert torch.cuda.max_memory_allocated() - base < v72.numel() // 4
+    assert torch.cuda.max_memory_allocated() - base < values.shape[0] * 9216 // 4
     assert torch.equal(before, again)
-    v72[:, :, :64] ^= 0x11  # flip value bits in place
+    values ^= 0x11  # flip value bits in place
     assert not torch.equal(before, ops.block_scores(*args))
 
 
-def test_nvfp4_pair_equals_product_layout():
+def test_nvfp4_pair_equals_page_major():
     prob = testing.make_problem(6, 3000, "nvfp4", seed=7, device="cuda")
     pair = formats.to_nvfp4_pair(prob.index_cache)
     a = ops.block_scores(prob.q, prob.index_cache, prob.block_table, prob.seq_lens)
@@ -163,7 +181,8 @@ def test_nvfp4_pair_equals_product_layout():
 # two)
 SPLITTING = [
     ("nvfp4", False),
-    ("nvfp4-vllm", False),
+    ("nvfp4-pool", False),
+    ("nvfp4-interleaved", False),
     ("bf16", False),
     ("fp8", False),
     ("bf16", True),
@@ -184,17 +203,15 @@ def test_split_and_whole_pages_match(fmt, portable, split, t, heads, monkeypatch
     monkeypatch.setattr(launcher, "SPLIT_WARPS", (split,) if split else ())
     lengths = torch.tensor([2900, 1025, 129, 2048, 700])  # 23 blocks: 115 items
     prob = testing.make_problem(
-        5, 2900, fmt[:5], query_len=t, num_heads=heads, seed=40 + t + heads, lengths=lengths,
+        5, 2900, fmt, query_len=t, num_heads=heads, seed=40 + t + heads, lengths=lengths,
         device="cuda",
     )  # fmt: skip
-    if fmt == "nvfp4-vllm":
-        prob.index_cache = formats.to_vllm_layout(prob.index_cache)
     dev = torch.device("cuda", torch.cuda.current_device())
     scorer = launcher.KernelScorer(
-        dev, fmt[:5], num_heads=heads, rank=0, world=1, sm_scale=128**-0.5,
+        dev, prob.fmt, num_heads=heads, rank=0, world=1, sm_scale=128**-0.5,
         monitor=launcher.ErrorMonitor(dev, 0), portable=portable,
     )  # fmt: skip
-    fid = structs.NVFP4_NARROW if fmt == "nvfp4-vllm" else None  # the instance launch() takes
+    fid = structs.NVFP4_NARROW if fmt == "nvfp4-interleaved" else None  # launch()'s instance
     if split and split < scorer.mod.split_warps(fid or scorer.fmt_id):
         pytest.skip(f"the build splits {fmt} pages over more than {split} warps")
     shape = scorer.grid(prob.requests, prob.width, False, t, fid)
@@ -216,17 +233,15 @@ def test_head_counts(heads):
     assert_scores(got, expected(prob, 0, 1))
 
 
-@pytest.mark.parametrize("fmt", [*FORMATS, "nvfp4-vllm"])
+@pytest.mark.parametrize("fmt", [*FORMATS, *NVFP4_FORMS])
 @pytest.mark.parametrize("t", [1, 3])
 def test_portable_path_matches(fmt, t):
     """The scalar path AMD runs (CP_PORTABLE), built and run on this GPU."""
-    prob = testing.make_problem(9, 7000, fmt[:5], query_len=t, seed=11, device="cuda")
-    if fmt == "nvfp4-vllm":
-        prob.index_cache = formats.to_vllm_layout(prob.index_cache)
+    prob = testing.make_problem(9, 7000, fmt, query_len=t, seed=11, device="cuda")
     dev = torch.device("cuda", torch.cuda.current_device())
     mon = launcher.ErrorMonitor(dev, 0)
     scorer = launcher.KernelScorer(
-        dev, fmt[:5], num_heads=4, rank=0, world=1, sm_scale=128**-0.5, monitor=mon,
+        dev, prob.fmt, num_heads=4, rank=0, world=1, sm_scale=128**-0.5, monitor=mon,
         portable=True,
     )  # fmt: skip
     out = torch.full((4, prob.rows, prob.width), float("nan"), device="cuda")

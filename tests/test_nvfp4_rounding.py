@@ -18,7 +18,9 @@ from cpindex import formats as F
 E2M1_HALVES = (0, 1, 2, 3, 4, 6, 8, 12)  # e2m1 magnitudes in units of 1/2
 NAN_BYTES = (0x7F, 0xFF)
 FINITE_SCALE_BYTES = [b for b in range(256) if b not in NAN_BYTES]
-LAYOUTS = F.NVFP4_LAYOUTS
+# every form a cache is taken in: page-major [pages, 9216] and [pages, 128, 72], the pair, and
+# the pair views of a token-interleaved cache
+FORMS = ("page_major", "page_major_3d", "pair", "interleaved")
 
 
 # --------------------------------------------------------------------------- the oracle
@@ -151,6 +153,16 @@ def test_rn_satfinite_fixed_points_and_dtypes() -> None:
 # --------------------------------------------------------------------------- dequantize
 
 
+def _in_form(pair: tuple[torch.Tensor, torch.Tensor], form: str) -> F.Cache:
+    if form == "pair":
+        return pair
+    if form == "interleaved":
+        c = F.to_page_layout(pair, "interleaved").view(-1, 128, 72)
+        return F.nvfp4_views(c, layout="interleaved")
+    c = F.to_page_layout(pair)
+    return c.view(-1, 128, 72) if form == "page_major_3d" else c
+
+
 def _all_products_cache(layout: str) -> tuple[F.Cache, list[list[float]]]:
     """One page where group g of token t holds the 16 codes 0..15 with scale byte
     FINITE_SCALE_BYTES[8t + g]: every (code, finite scale) pair once (254 groups, 32 tokens;
@@ -161,12 +173,7 @@ def _all_products_cache(layout: str) -> tuple[F.Cache, list[list[float]]]:
     scale_bytes = torch.zeros(128 * 8, dtype=torch.uint8)
     scale_bytes[: len(FINITE_SCALE_BYTES)] = torch.tensor(FINITE_SCALE_BYTES, dtype=torch.uint8)
     scales = scale_bytes.reshape(1, 128, 8)
-    pair = (packed, scales.view(torch.float8_e4m3fn))
-    cache: F.Cache = {
-        "product": lambda: F.from_nvfp4_pair(*pair),
-        "vllm": lambda: F.to_vllm_layout(pair),
-        "pair": lambda: pair,
-    }[layout]()
+    cache = _in_form((packed, scales.view(torch.float8_e4m3fn)), layout)
     want = [[0.0] * 128 for _ in range(128)]
     for t in range(32):
         for g in range(8):
@@ -176,22 +183,23 @@ def _all_products_cache(layout: str) -> tuple[F.Cache, list[list[float]]]:
     return cache, want
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", FORMS)
 def test_dequantize_every_code_times_every_scale(layout: str) -> None:
     cache, want = _all_products_cache(layout)
-    assert F.nvfp4_layout(cache) == layout
+    assert F.nvfp4_layout(cache) == ("page_major" if layout.startswith("page") else "pair")
     got = F.dequantize(cache, "nvfp4")
     assert got.shape == (1, 128, 128)
     assert_same_bits(got[0], want)
 
 
-def _one(code: int, scale_byte: int, layout: str = "product") -> torch.Tensor:
+def _one(code: int, scale_byte: int, layout: str = "page_major") -> torch.Tensor:
     """The dequantized key of one (code, scale byte) pair, element 0 of token 0."""
     packed = torch.zeros(1, 128, 64, dtype=torch.uint8)
     scales = torch.zeros(1, 128, 8, dtype=torch.uint8)
     packed[0, 0, 0] = code
     scales[0, 0, 0] = scale_byte
-    cache = F.quantize(torch.zeros(1, 128, 128), "nvfp4", layout=layout)
+    pair = F.quantize(torch.zeros(1, 128, 128), "nvfp4", layout="pair")
+    cache = _in_form(pair, layout)
     v, s = F.nvfp4_views(cache)
     v.copy_(packed)
     s.copy_(scales)
@@ -226,7 +234,7 @@ def _one(code: int, scale_byte: int, layout: str = "product") -> torch.Tensor:
 def test_dequantize_edges(code: int, scale_byte: int, want: float) -> None:
     assert product_oracle(code, scale_byte) == want
     assert math.copysign(1, product_oracle(code, scale_byte)) == math.copysign(1, want)
-    for layout in LAYOUTS:
+    for layout in FORMS:
         got = _one(code, scale_byte, layout)
         assert got.item() == want and bool(torch.signbit(got)) == (math.copysign(1, want) < 0)
 

@@ -35,11 +35,11 @@ def _oracle_keys(cache, fmt: str) -> torch.Tensor:
         return cache.double()
     if isinstance(cache, tuple):
         packed, scales = cache
-    elif cache.dim() == 3:  # vLLM: per token 64 value bytes, then its 8 scale bytes
-        packed, scales = cache[:, :, :64], cache[:, :, 64:]
-    else:  # product layout: 8192 value bytes (64 per token), then 1024 scale bytes (8 per token)
-        packed = cache[:, :8192].reshape(-1, 128, 64)
-        scales = cache[:, 8192:].reshape(-1, 128, 8)
+    else:  # page-major, [pages, 9216] or [pages, 128, 72]: per page 8192 code bytes (64 per
+        # token), then 1024 scale bytes (8 per token)
+        flat = cache.reshape(-1, 9216)
+        packed = flat[:, :8192].reshape(-1, 128, 64)
+        scales = flat[:, 8192:].reshape(-1, 128, 8)
     scale = scales.view(torch.uint8).view(torch.float8_e4m3fn).double()  # [p, 128, 8]
     lut = torch.tensor(E2M1 + tuple(-v for v in E2M1), dtype=torch.float64)
     lo = lut[(packed & 0xF).long()]  # element 2i: low nibble of byte i
@@ -97,26 +97,23 @@ def _assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
 
 # --------------------------------------------------------------------------- block_scores
 
-FORMATS = ["bf16", "fp8", "nvfp4", "nvfp4-pair", "nvfp4-vllm"]
+FORMATS = [
+    "bf16", "fp8", "nvfp4", "nvfp4-page_major_3d", "nvfp4-pool", "nvfp4-pair", "nvfp4-interleaved"
+]  # fmt: skip
 LENGTHS = [1, 127, 128, 129, 255, 256, 300, 641, 1000]  # partial and full last blocks
 
 
 def _problem(fmt: str, lengths, seed: int, num_heads: int = 4, width=None, query_len=1):
-    base = fmt.removesuffix("-pair").removesuffix("-vllm")
-    prob = testing.make_problem(
+    return testing.make_problem(
         len(lengths),
         max(lengths),
-        base,
+        fmt,  # nvfp4-<form>: the same pages in another form (testing.NVFP4_FORMS)
         query_len=query_len,
         num_heads=num_heads,
         seed=seed,
         lengths=torch.tensor(lengths),
-        nvfp4_pair=fmt.endswith("-pair"),
         width=width,
     )
-    if fmt.endswith("-vllm"):
-        prob.index_cache = formats.to_vllm_layout(prob.index_cache)
-    return prob
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -196,7 +193,7 @@ def test_multi_token_shape_and_length_errors():
         reference.block_scores(*args[:3], short, query_len=4, **kw)
 
 
-def test_nvfp4_pair_equals_product_layout():
+def test_nvfp4_pair_equals_page_major():
     prob = _problem("nvfp4", LENGTHS, seed=11)
     pair = formats.to_nvfp4_pair(prob.index_cache)
     args = (prob.q, prob.block_table, prob.seq_lens)

@@ -19,7 +19,7 @@ import torch
 from _worlds import Worlds
 
 import cpindex
-from cpindex import formats, ops, partition, reference, selection, testing
+from cpindex import ops, partition, reference, selection, testing
 from cpindex.config import CPIndexConfig
 from cpindex.transports.base import Transport
 from cpindex.validation import check_call
@@ -31,7 +31,7 @@ MAX_REQUESTS, MAX_T, MAX_WIDTH, MAX_TOPK = 5, 4, 80, 64
 @dataclass(frozen=True)
 class Case:
     name: str
-    fmt: str = "nvfp4"  # bf16 | fp8 | nvfp4 | nvfp4-pair | nvfp4-vllm
+    fmt: str = "nvfp4"  # bf16 | fp8 | nvfp4 | nvfp4-<form> (testing.NVFP4_FORMS)
     heads: int = 4
     lengths: tuple[int, ...] | None = None  # None: random ragged lengths
     requests: int = 4
@@ -54,22 +54,19 @@ class Case:
         prob = testing.make_problem(
             self.requests if lens is None else len(lens),
             self.max_len if lens is None else max(self.lengths),
-            self.base_fmt,
+            self.fmt,
             query_len=self.query_len,
             num_heads=self.heads,
             seed=self.seed,
             lengths=lens,
-            nvfp4_pair=self.fmt.endswith("-pair"),
         )
-        if self.fmt.endswith("-vllm"):
-            prob.index_cache = formats.to_vllm_layout(prob.index_cache)
         if self.one_page:
             prob.block_table[:] = prob.block_table[:, :1]
         prob.width += self.width_extra
         return prob
 
 
-FORMATS = ["bf16", "fp8", "nvfp4", "nvfp4-pair", "nvfp4-vllm"]
+FORMATS = ["bf16", "fp8", "nvfp4", "nvfp4-pool", "nvfp4-pair", "nvfp4-interleaved"]
 
 
 def cases(world: int) -> list[Case]:

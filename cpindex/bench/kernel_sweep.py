@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from .. import formats, ops, partition  # noqa: F401  (ops: registers torch.ops.cpindex.*)
+from .. import formats, ops, partition, testing  # noqa: F401  (ops: registers torch.ops.cpindex.*)
 from .timing import copy_bandwidth_gbs, synthetic_cache, synthetic_queries, time_graph
 
 ROTATE_BYTES = 512 << 20  # pages touched by consecutive calls, >> the H200's 60 MB L2
@@ -93,15 +93,16 @@ def run(
         for rows in rows_list:
             for ctx in contexts:
                 blocks = ctx // 128
-                base = fmt.removesuffix("-vllm")  # nvfp4-vllm: vLLM's [pages, 128, 72] layout
+                # nvfp4-<form>: the same pages handed over in another form (testing.NVFP4_FORMS)
+                base, form = testing.split_format(fmt)
                 page_bytes = 128 * formats.BYTES_PER_TOKEN[base]
                 lens = torch.full((rows,), ctx, dtype=torch.int32, device=dev)
                 # what one call reads: (rank 0's) blocks but the forced local one
                 nbytes = partition.scanned_blocks(lens, 0, world, 0, 1) * page_bytes
                 sets = max(1, min(16, -(-ROTATE_BYTES // max(nbytes, 1))))
                 cache = synthetic_cache(sets * rows * blocks, base, dev)
-                if base != fmt:
-                    cache = formats.to_vllm_layout(cache)
+                if form != "page_major":
+                    cache = testing.nvfp4_form(cache, form)
                 tables = torch.arange(sets * rows * blocks, device=dev, dtype=torch.int32)
                 tables = tables.view(sets, rows, blocks)
                 if base not in scorers:

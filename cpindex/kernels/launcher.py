@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from .. import formats
-from ..errors import BadBlockTableError, OutOfStepError, PeerTimeoutError
+from ..errors import BadBlockTableError, BadSlotError, OutOfStepError, PeerTimeoutError
 from . import structs
 from .build import load
 
@@ -51,10 +51,11 @@ def nvfp4_lut() -> torch.Tensor:
 
 
 def cache_parts(index_cache: formats.Cache) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """What the binding reads keys from: ``(kv, ks)``. bf16/fp8: the cache and None. nvfp4 (any
-    layout): zero-copy views of the values ``[pages, 128, 64]`` and scales ``[pages, 128, 8]``,
-    whose page and token strides the binding passes to the kernel. The cache was validated
-    before (``validation.check_call``), so this only splits it."""
+    """What the binding reads (or writes) keys through: ``(kv, ks)``. bf16/fp8: the cache and
+    None. nvfp4 (a page-major tensor or the pair): zero-copy views of the values ``[pages, 128,
+    64]`` and scales ``[pages, 128, 8]`` (:func:`cpindex.formats.nvfp4_views`), whose page and
+    token strides the binding passes to the kernel. The cache was validated before
+    (``validation.check_call``, ``formats.write_keys``), so this only splits it."""
     if isinstance(index_cache, tuple) or index_cache.dtype == torch.uint8:
         return formats.nvfp4_views(index_cache, checked=True)
     return index_cache, None
@@ -96,6 +97,11 @@ class ErrorMonitor:
                 f"rank {w.rank}: request {w.peer} has seq_lens {C.c_int64(w.detail).value}, "
                 "shorter than "
                 "query_len (a request's length counts its own query tokens); its scores are NaN"
+            )
+        if w.code == structs.ERR_SLOT:
+            raise BadSlotError(
+                f"write_keys: token {w.peer} has slot_mapping {C.c_int64(w.detail).value}, "
+                "at or past the cache's pages * 128 slots; that key was not written"
             )
         if w.code == structs.ERR_MISMATCH:
             raise OutOfStepError(
