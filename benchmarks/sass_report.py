@@ -37,7 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = ROOT / "cpindex" / "kernels"
-FORMATS = {0: "bf16", 1: "fp8", 2: "nvfp4", 3: "nvfp4-vllm"}  # launch.h: CacheFormat
+FORMATS = {0: "bf16", 1: "fp8", 2: "nvfp4", 3: "nvfp4-narrow"}  # launch.h: CacheFormat
 INSTANCE = re.compile(r"score_kernelILi(\d)ELi(\d)ELb([01])ELi(\d)E")
 SASS_LINE = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 

@@ -8,6 +8,7 @@ from .api import IndexCP, get, init, shutdown
 from .config import CPIndexConfig
 from .errors import (
     BadBlockTableError,
+    BadSlotError,
     BrokenInstanceError,
     ConfigMismatchError,
     CPIndexError,
@@ -21,6 +22,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BadBlockTableError",
+    "BadSlotError",
     "BrokenInstanceError",
     "CPIndexConfig",
     "CPIndexError",

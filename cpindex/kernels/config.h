@@ -31,7 +31,7 @@ constexpr int kMaxSelect = 16;                   // select_blocks' topk the kern
 // S - 1 tiles' copies in flight while one is scored; 8 KiB holds 2 bf16 or 4 fp8 tiles of 16
 // tokens, fits a split warp's part of a page whole (two bf16 tiles), and at 32 KiB a CTA leaves
 // shared memory for the CTAs per SM the register targets allow. nvfp4 stays on registers: its
-// loads already read 512 contiguous bytes in the product layout.
+// loads already read 512 contiguous bytes of a page-major page.
 constexpr int kRingBytes = 8192;
 
 // nvfp4 tiles loaded before their math with one query tile (a whole page on 32-wide warps;

@@ -70,8 +70,8 @@ struct PushState {
 
 struct ScoreParams {
   // keys, in bytes: token t of page p at kv + p * kv_page_stride + t * kv_token_stride; nvfp4
-  // scales of that token at ks + p * ks_page_stride + t * ks_token_stride (the product layout,
-  // vLLM's [pages, 128, 72] and the (packed, scales) pair differ only in these four numbers)
+  // scales of that token at ks + p * ks_page_stride + t * ks_token_stride (page-major pages,
+  // the (packed, scales) pair and other in-page layouts differ only in these four numbers)
   const uint8_t* kv;
   const uint8_t* ks;
   int64_t kv_page_stride;
