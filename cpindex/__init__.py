@@ -16,6 +16,7 @@ from .errors import (
     PeerTimeoutError,
     TransportUnavailable,
 )
+from .plan import Plan
 
 __version__ = "0.1.0"
 
@@ -29,6 +30,7 @@ __all__ = [
     "OutOfStepError",
     "PeerConnectionError",
     "PeerTimeoutError",
+    "Plan",
     "TransportUnavailable",
     "get",
     "init",
