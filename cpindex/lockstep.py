@@ -237,7 +237,6 @@ def exchange(
         raise lost_connection(comm, what, f"{type(e).__name__}: {e}", call_no) from None
 
 
-
 def store_host(comm: Comm) -> int | None:
     """The rank of ``comm``'s group whose process serves the group's key-value store (global
     rank 0 with torch.distributed's default rendezvous), or None (no store, or not in it)."""
