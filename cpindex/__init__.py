@@ -17,6 +17,7 @@ from .errors import (
     PeerTimeoutError,
     TransportUnavailable,
 )
+from .plan import Plan
 
 __version__ = "0.1.0"
 
@@ -31,6 +32,7 @@ __all__ = [
     "OutOfStepError",
     "PeerConnectionError",
     "PeerTimeoutError",
+    "Plan",
     "TransportUnavailable",
     "get",
     "init",

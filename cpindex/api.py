@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
-from typing import Any, Literal, TypeVar, overload
+from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -12,20 +10,11 @@ import torch.distributed as dist
 from . import formats, lockstep
 from .comm import Comm, TorchComm
 from .config import CPIndexConfig
-from .errors import (
-    BadBlockTableError,
-    BrokenInstanceError,
-    ConfigMismatchError,
-    CPIndexError,
-    OutOfStepError,
-    PeerConnectionError,
-    PeerTimeoutError,
-    add_note,
-)
+from .errors import ConfigMismatchError, CPIndexError, add_note
+from .plan import Plan
+from .runner import Runner
 from .transports import Context, candidates, select
-from .validation import Call, check_call, check_topk
-
-R = TypeVar("R")
+from .validation import check_topk
 
 
 def _default_device() -> torch.device:
@@ -117,7 +106,15 @@ class IndexCP:
     and exchange buffers, and self-test. After that, every rank makes the same sequence of
     calls (:meth:`select_blocks`, the block ids sparse attention reads, or :meth:`score_push`,
     the scores), on one stream at a time (a second stream or micro-batch needs its own
-    instance).
+    instance). Call every instance of a process from one thread, in the same order on every
+    rank: a call while another thread is inside a call of any instance is refused.
+
+    A decode step's shared inputs go into a :class:`~cpindex.plan.Plan` once
+    (:meth:`plan`); each layer's call then passes its queries, its cache, the plan and a tag::
+
+        plan = cp.plan(block_table, seq_lens, query_len=T)
+        for layer in range(layers):
+            ids = cp.select_blocks(iq[layer], caches[layer], plan, tag=step * layers + layer)
 
     Args:
         config: the configuration (default ``CPIndexConfig()``); ``world_size`` is bound to the
@@ -144,21 +141,15 @@ class IndexCP:
             raise ValueError("group: pass either group or comm, not both")
         self.comm = comm
         # Agree first: a rank with another config must not reach the probes' collectives.
-        self.config, self.device, placements, self._instance = _agree_construction(
+        self.config, self.device, placements, instance = _agree_construction(
             config or CPIndexConfig(), comm, device
         )
         key = [self.device.type, self.device.index, True]
         sharing = sum(1 for p in placements if p == key) if key[0] == "cuda" else 1
         self.heads_per_rank = self.config.heads_per_rank(comm.world_size)
-        self._digest = self.config.digest()
         ctx = Context(self.config, comm, self.device, max(1, sharing))
         self._transport = select(ctx)
-        self._busy = threading.Lock()
-        self._closed = False
-        self._calls = 0  # calls on this instance since construction or the last reset
-        self._resets = 0  # reset rounds entered (every rank counts alike)
-        self._broken: BaseException | None = None  # why calls are refused until reset()
-        self._left_mid_call: str | None = None  # a host-lockstep call abandoned after its header
+        self._runner = Runner(self.config, comm, self._transport, instance, self.device)
 
     # ---- properties -----------------------------------------------------------------------
     @property
@@ -180,7 +171,43 @@ class IndexCP:
     def world_size(self) -> int:
         return self.comm.world_size
 
-    # ---- the call ---------------------------------------------------------------------------
+    # ---- the step's plan --------------------------------------------------------------------
+    def plan(
+        self,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        query_len: int = 1,
+        init_blocks: int = 0,
+        local_blocks: int = 1,
+        width: int | None = None,
+    ) -> Plan:
+        """Validate a decode step's shared inputs once, for every layer's call of the step.
+
+        Args: as in :meth:`score_push`. Local (no communication) and cheap: host checks only
+        on a GPU, plus the agreement fingerprint (a few device ops, no sync), computed now and
+        by :meth:`Plan.refresh <cpindex.plan.Plan.refresh>`.
+
+        Returns:
+            a :class:`~cpindex.plan.Plan` to pass to :meth:`score_push` and
+            :meth:`select_blocks` in place of ``block_table`` and what follows it. It holds
+            the tensors themselves (not copies), so calls read their current contents; it is
+            reusable across layers, steps and graph replays (see the class).
+
+        Raises:
+            TypeError, ValueError: bad input, naming the argument. With peers, this counts as
+                this rank refusing its next call: the peers' next call raises at once, and
+                this instance refuses calls until :meth:`reset`.
+        """
+        return self._runner.plan(block_table, seq_lens, init_blocks, local_blocks, width, query_len)
+
+    # ---- the calls --------------------------------------------------------------------------
+    @overload
+    def score_push(
+        self, iq: torch.Tensor, index_cache: formats.Cache, plan: Plan, *, tag: int | None = None
+    ) -> torch.Tensor: ...
+
+    @overload
     def score_push(
         self,
         iq: torch.Tensor,
@@ -192,8 +219,27 @@ class IndexCP:
         width: int | None = None,
         *,
         query_len: int = 1,
+        tag: int | None = None,
+    ) -> torch.Tensor: ...
+
+    def score_push(
+        self,
+        iq: torch.Tensor,
+        index_cache: formats.Cache,
+        block_table: torch.Tensor | Plan,
+        seq_lens: torch.Tensor | None = None,
+        init_blocks: int = 0,
+        local_blocks: int = 1,
+        width: int | None = None,
+        *,
+        query_len: int = 1,
+        tag: int | None = None,
     ) -> torch.Tensor:
         """This rank's heads' block scores over every block of every row.
+
+        ``score_push(iq, index_cache, plan, tag=...)`` with a :meth:`plan`, or
+        ``score_push(iq, index_cache, block_table, seq_lens, ...)`` for a one-off call (it
+        makes the plan itself).
 
         Args:
             iq: ``[rows, heads_per_rank, 128]`` (or ``[rows, 128]``) query rows of this rank's
@@ -203,7 +249,7 @@ class IndexCP:
             index_cache: the paged index-key cache in ``config.cache_format``: bf16 or fp8
                 ``[pages, 128, 128]``, nvfp4 ``uint8 [pages, 9216]`` or the public pair
                 ``(packed uint8 [pages, 128, 64], scales e4m3 [pages, 128, 8])``.
-            block_table: int32 ``[requests, max_blocks]``, rows contiguous.
+            block_table: int32 ``[requests, max_blocks]``, rows contiguous; or a plan.
             seq_lens: int32 ``[requests]``, causal lengths through each request's last query
                 token (so ``>= query_len``); token t sees ``seq_lens[r] - query_len + 1 + t``.
             init_blocks, local_blocks: forced-selection counts (MiniMax-M3: 0 and 1).
@@ -212,6 +258,10 @@ class IndexCP:
             query_len: query tokens per request (speculative/MTP decode), at most
                 ``config.max_query_len``. The kernel reads each request's pages once for all
                 its rows.
+            tag: an int in ``[0, 2**63)`` naming the call, the same on every rank (e.g.
+                ``step * layers + layer``), or None. Ranks whose tags differ raise
+                :class:`~cpindex.OutOfStepError` naming both: a skipped or reordered call is
+                caught even where consecutive calls have equal shapes.
 
         Returns:
             float32 ``[heads_per_rank, rows, width]``: a view of the instance's receive
@@ -229,20 +279,40 @@ class IndexCP:
             TypeError, ValueError: bad input, naming the argument. With peers, the call still
                 counts and the instance refuses calls until :meth:`reset` (the peers raise too).
             OutOfStepError, PeerTimeoutError, PeerConnectionError: the ranks are not making
-                the same call, a peer did not come within ``timeout_s``, or a peer is gone.
+                the same call (another tag, shape, block table or lengths), a peer did not
+                come within ``timeout_s``, or a peer is gone.
             BrokenInstanceError: an earlier call failed on this rank; :meth:`reset` first.
         """
-        if width is None and isinstance(block_table, torch.Tensor) and block_table.dim() == 2:
-            width = block_table.shape[1]
+        validate = self._runner.checker(
+            iq, index_cache, block_table, seq_lens, init_blocks, local_blocks, width,
+            query_len, tag,
+        )  # fmt: skip
+        transport = self._transport
+        return self._runner.run("score_push", validate, lambda call, _: transport.score_push(call))
 
-        def validate() -> tuple[Call, dict[str, Any]]:
-            call = check_call(
-                self.config, self.heads_per_rank, self.device, iq, index_cache, block_table,
-                seq_lens, init_blocks, local_blocks, width, query_len,
-            )  # fmt: skip
-            return call, {}
+    @overload
+    def select_blocks(
+        self,
+        iq: torch.Tensor,
+        index_cache: formats.Cache,
+        plan: Plan,
+        *,
+        topk: int = 16,
+        return_scores: Literal[False] = False,
+        tag: int | None = None,
+    ) -> torch.Tensor: ...
 
-        return self._run("score_push", validate, lambda call, _: self._transport.score_push(call))
+    @overload
+    def select_blocks(
+        self,
+        iq: torch.Tensor,
+        index_cache: formats.Cache,
+        plan: Plan,
+        *,
+        topk: int = 16,
+        return_scores: Literal[True],
+        tag: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     @overload
     def select_blocks(
@@ -258,6 +328,7 @@ class IndexCP:
         query_len: int = 1,
         topk: int = 16,
         return_scores: Literal[False] = False,
+        tag: int | None = None,
     ) -> torch.Tensor: ...
 
     @overload
@@ -274,14 +345,15 @@ class IndexCP:
         query_len: int = 1,
         topk: int = 16,
         return_scores: Literal[True],
+        tag: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def select_blocks(
         self,
         iq: torch.Tensor,
         index_cache: formats.Cache,
-        block_table: torch.Tensor,
-        seq_lens: torch.Tensor,
+        block_table: torch.Tensor | Plan,
+        seq_lens: torch.Tensor | None = None,
         init_blocks: int = 0,
         local_blocks: int = 1,
         width: int | None = None,
@@ -289,9 +361,11 @@ class IndexCP:
         query_len: int = 1,
         topk: int = 16,
         return_scores: bool = False,
+        tag: int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """This rank's heads' ``topk`` best blocks per row: what sparse attention reads
-        (docs/contract.md §6). Same inputs as :meth:`score_push`.
+        (docs/contract.md §6). Same inputs as :meth:`score_push` (a plan, or the positional
+        form).
 
         Per (head, row): the ``topk`` columns with the highest scores, forced blocks included,
         ``-inf`` columns never, equal scores to the lower block id. Ranks exchange only their
@@ -301,7 +375,7 @@ class IndexCP:
 
         Args:
             iq, index_cache, block_table, seq_lens, init_blocks, local_blocks, width,
-                query_len: as in :meth:`score_push`.
+                query_len, tag: as in :meth:`score_push`.
             topk: blocks per (head, row), at most ``config.max_topk`` (MiniMax-M3: 16).
             return_scores: also return each selected block's score.
 
@@ -311,106 +385,18 @@ class IndexCP:
             ``return_scores``, also float32 ``[heads_per_rank, rows, topk]``, aligned with the
             ids (``-inf`` where padded). Views valid until the next call.
         """
-        if width is None and isinstance(block_table, torch.Tensor) and block_table.dim() == 2:
-            width = block_table.shape[1]
-
-        def validate() -> tuple[Call, dict[str, Any]]:
-            call = check_call(
-                self.config, self.heads_per_rank, self.device, iq, index_cache, block_table,
-                seq_lens, init_blocks, local_blocks, width, query_len,
-            )  # fmt: skip
-            return call, {"topk": check_topk(self.config, topk, return_scores)}
-
-        ids, scores = self._run(
+        validate = self._runner.checker(
+            iq, index_cache, block_table, seq_lens, init_blocks, local_blocks, width,
+            query_len, tag,
+        )  # fmt: skip
+        transport = self._transport
+        ids, scores = self._runner.run(
             "select_blocks",
             validate,
-            lambda call, extra: self._transport.select_blocks(call, extra["topk"]),
+            lambda call, extra: transport.select_blocks(call, extra["topk"]),
+            lambda: {"topk": check_topk(self.config, topk, return_scores)},
         )
         return (ids, scores) if return_scores else ids
-
-    def _run(
-        self,
-        what: str,
-        validate: Callable[[], tuple[Call, dict[str, Any]]],
-        launch: Callable[[Call, dict[str, Any]], R],
-    ) -> R:
-        """The one per-call path of every call (docs/design.md, "Ranks in step"): one caller
-        at a time; refused while broken; a previous call's recorded failure raised first (no
-        sync); the input validated; on ``host_lockstep`` transports the call's header agreed
-        with every rank before anything is exchanged; ``error_check="sync"``. Any failure
-        once peers may be waiting marks the instance broken until :meth:`reset`.
-
-        ``validate`` returns the call and the operation's own arguments (they join the
-        header); ``launch`` runs it."""
-        if self._closed:
-            raise CPIndexError(f"{what} on a closed IndexCP")
-        if not self._busy.acquire(blocking=False):
-            raise CPIndexError(
-                f"{what} called concurrently on one IndexCP; one instance serves one stream "
-                "at a time (create one instance per stream or micro-batch)"
-            )
-        try:
-            if self._broken is not None:
-                e = self._broken
-                raise BrokenInstanceError(
-                    f"rank {self.rank}: {what} refused: this IndexCP failed earlier "
-                    f"({type(e).__name__}: {e}). Ranks may be out of step; call reset() on "
-                    "every rank to go on."
-                ) from e
-            refused_alone = False  # bad input with no peer waiting: the instance stays usable
-            try:
-                self._transport.check()  # a previous call's recorded failure, no sync
-                self._calls += 1
-                try:
-                    call, extra = validate()
-                except (TypeError, ValueError) as e:
-                    refused_alone = self.world_size == 1
-                    if not refused_alone:
-                        self._refuse(what, e)
-                    raise
-                if self._transport.host_lockstep:
-                    header = lockstep.call_header(
-                        what, self._instance, self._calls, call, self._digest, extra
-                    )
-                    lockstep.agree_call(
-                        self.comm, header, self.config.timeout_s,
-                        what=f"call {self._calls} ({what})",
-                    )  # fmt: skip
-                try:
-                    out = launch(call, extra)
-                except BaseException as e:
-                    if self._transport.host_lockstep and not isinstance(e, _PEER_ERRORS):
-                        # The header passed, so peers may wait in this call's collectives.
-                        self._left_mid_call = (
-                            f"rank {self.rank} left call {self._calls} after its header round "
-                            f"({type(e).__name__}: {e})"
-                        )
-                    raise
-                if self.config.error_check == "sync" and self.device.type == "cuda":
-                    torch.cuda.current_stream(self.device).synchronize()
-                    self._transport.check()
-                return out
-            except BaseException as e:
-                if self._broken is None and not refused_alone:
-                    self._broken = e
-                raise
-        finally:
-            self._busy.release()
-
-    def _refuse(self, what: str, error: BaseException) -> None:
-        """Tell the peers that this rank refused its call (host-lockstep transports), so they
-        raise at once instead of waiting out ``timeout_s``. Other transports' peers time out
-        in the kernel and report this rank as late."""
-        self._broken = error
-        if not self._transport.host_lockstep:
-            return
-        header = lockstep.refusal_header(what, self._instance, self._calls, error)
-        try:
-            lockstep.agree_call(
-                self.comm, header, self.config.timeout_s, what=f"call {self._calls} ({what})"
-            )
-        except CPIndexError as e:
-            add_note(error, f"telling the other ranks failed too: {type(e).__name__}: {e}")
 
     def exchange_bytes(self, rows: int, width: int, topk: int | None = None) -> int:
         """Bytes this rank sends its peers in one call's score (``topk=None``: ``score_push``)
@@ -421,63 +407,28 @@ class IndexCP:
         return self._transport.exchange_bytes(rows, width, topk)
 
     def check(self) -> None:
-        """Raise an error recorded by an earlier call (timeouts, bad block tables). Reads host
-        memory only: cheap, and usable after graph replays. Marks the instance broken too."""
-        try:
-            self._transport.check()
-        except BaseException as e:
-            if self._broken is None:
-                self._broken = e
-            raise
+        """Raise an error recorded by an earlier call (timeouts, bad block tables, ranks whose
+        block tables disagreed). Reads host memory only: cheap, and usable after graph
+        replays. Marks the instance broken too."""
+        self._runner.check()
 
-    def reset(self) -> None:
-        """Collective, bounded by ``timeout_s``: bring every rank back in step after a failure.
+    def reset(self, timeout_s: float | None = None) -> None:
+        """Collective, bounded by ``timeout_s`` (default ``config.timeout_s``): bring every
+        rank back in step after a failure.
 
-        Every rank meets in a round first (a rank that does not come within ``timeout_s``
-        makes the others raise :class:`PeerTimeoutError` naming it, and the instance stays
-        broken: call ``reset()`` again on every rank). Then the transport waits for this
-        rank's kernels and clears its error words and handshake state, the call count goes
-        back to 0 on every rank, and calls are accepted again. A reset on a healthy instance
-        is harmless.
+        Every rank meets in a round first. Whatever happened before (a rank that called
+        ``reset()`` alone and timed out, rounds a rank missed, resets repeated), a ``reset()``
+        called on every rank meets in that one call: rounds abandoned earlier are skipped. A
+        rank that does not come within ``timeout_s`` makes the others raise
+        :class:`PeerTimeoutError` naming it, and the instance stays broken: call ``reset()``
+        again on every rank. Then the transport waits for this rank's kernels and clears its
+        error words and handshake state, the call count goes back to 0 on every rank, and
+        calls are accepted again. A reset on a healthy instance is harmless.
 
         Raises :class:`PeerConnectionError` when a peer or the group's store is gone, and
         :class:`CPIndexError` when a collective was left half done (a rank stopped inside a
         call after its peers started exchanging data): the process group must be rebuilt."""
-        if self._closed:
-            raise CPIndexError("reset on a closed IndexCP")
-        if not self._busy.acquire(blocking=False):
-            raise CPIndexError("reset called while a call runs on this IndexCP")
-        try:
-            self._resets += 1
-            mine = {
-                "round": self.comm.counters.get("call", 0),
-                "unrecoverable": self._transport.unrecoverable or self._left_mid_call,
-            }
-            try:
-                reports = lockstep.exchange(
-                    self.comm, f"reset/{self._instance}/{self._resets}", mine,
-                    self.config.timeout_s, what=f"reset {self._resets}",
-                )  # fmt: skip
-                stuck = [(r, rep["unrecoverable"]) for r, rep in enumerate(reports)]
-                stuck = [(r, why) for r, why in stuck if why]
-                if stuck:
-                    raise CPIndexError(
-                        f"rank {self.rank}: reset: the group cannot be reused: "
-                        + "; ".join(f"rank {r}: {why}" for r, why in stuck)
-                        + ". Its process group may hold a half-done collective: close this "
-                        "instance and rebuild the group."
-                    )
-                self._transport.reset()
-            except BaseException as e:
-                self._broken = self._broken or e
-                raise
-            # Every rank made the same number of header rounds except around the failure:
-            # continue from the furthest, so no rank reuses a round another has entered.
-            self.comm.counters["call"] = max(rep["round"] for rep in reports)
-            self._calls = 0
-            self._broken = None
-        finally:
-            self._busy.release()
+        self._runner.reset(timeout_s)
 
     def close(self) -> None:
         """Collective, bounded by ``timeout_s``: release buffers and peer mappings. Idempotent.
@@ -486,11 +437,12 @@ class IndexCP:
         that does not come within ``timeout_s`` makes the others raise
         :class:`PeerTimeoutError` naming it; they keep that memory then (a late peer may still
         write into it) until the process ends."""
-        if not self._closed:
-            self._closed = True
+        runner = self._runner
+        if not runner.closed:
+            runner.closed = True
             self._transport.close(
                 meet=lambda: lockstep.meet(
-                    self.comm, f"close/{self._instance}", self.config.timeout_s, what="close"
+                    self.comm, f"close/{runner.instance}", self.config.timeout_s, what="close"
                 )
             )
 
@@ -512,9 +464,6 @@ class IndexCP:
             f"device={self.device}, format={self.config.cache_format!r})"
         )
 
-
-# What a transport raises about its peers: the call ended for every rank alike.
-_PEER_ERRORS = (OutOfStepError, PeerTimeoutError, PeerConnectionError, BadBlockTableError)
 
 _instance: IndexCP | None = None
 

@@ -120,6 +120,11 @@ class CPIndexConfig(BaseModel):
     ipc_self_test: bool = Field(
         True, description="Check at construction that peer writes really land (IOMMU, P2P)."
     )
+    fingerprint: bool = Field(
+        True,
+        description="Compare a hash of the block-table entries and lengths each call reads "
+        "(and, where ranks share a head, their queries) across ranks on every call.",
+    )
     max_buffer_bytes: Int = Field(
         DEFAULT_MAX_BUFFER_BYTES,
         ge=1,

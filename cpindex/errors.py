@@ -25,9 +25,10 @@ class PeerTimeoutError(CPIndexError):
 
 
 class OutOfStepError(CPIndexError):
-    """Ranks paired calls that are not the same call (another shape, other forcing counts, or
-    another configuration): every rank raises instead of exchanging the wrong data. The instance
-    refuses further calls until :meth:`cpindex.IndexCP.reset`."""
+    """Ranks paired calls that are not the same call (another tag, shape, forcing counts or
+    configuration, other block-table entries or lengths, or ranks sharing a head with other
+    queries), or a peer refused its call: every rank raises instead of exchanging or returning
+    the wrong data. The instance refuses further calls until :meth:`cpindex.IndexCP.reset`."""
 
     def __init__(self, message: str, *, rank: int, peer: int, call: int) -> None:
         super().__init__(message)
@@ -35,14 +36,15 @@ class OutOfStepError(CPIndexError):
 
 
 class PeerConnectionError(CPIndexError):
-    """The backend lost its connection to a peer (its process died, or the network dropped):
-    the message carries the backend's own error. Not a timeout: it is raised as soon as the
-    backend reports it. The instance refuses calls until :meth:`cpindex.IndexCP.reset`, which
-    fails too while the peer is gone."""
+    """The backend lost its connection to a peer (its process died, or the network dropped)
+    or to the group's key-value store: the message carries the backend's own error and names
+    the rank whose process serves the store (``peer``; -1 when there is none). Not a timeout:
+    it is raised as soon as the backend reports it. The instance refuses calls until
+    :meth:`cpindex.IndexCP.reset`, which fails too while the peer is gone."""
 
-    def __init__(self, message: str, *, rank: int, call: int, phase: str) -> None:
+    def __init__(self, message: str, *, rank: int, call: int, phase: str, peer: int = -1) -> None:
         super().__init__(message)
-        self.rank, self.call, self.phase = rank, call, phase
+        self.rank, self.call, self.phase, self.peer = rank, call, phase, peer
 
 
 class BrokenInstanceError(CPIndexError):

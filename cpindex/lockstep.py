@@ -11,7 +11,8 @@ rank (all ranks complete it, or all raise):
   ``OutOfStepError`` and no data collective is posted, so none is ever posted with sizes that
   differ across ranks. A rank that refuses its call (bad input) sends a refusal instead, so its
   peers raise at once rather than waiting out the timeout.
-* **reset**: brings the ranks back to call 0 and realigns the group's round counter.
+* **reset** (:class:`ResetRounds`): brings the ranks back to call 0 and realigns the group's
+  round counter, whatever happened before (lone resets, missed rounds).
 
 and :func:`meet`, the bounded barrier ``close()`` holds before freeing memory peers write into.
 
@@ -25,16 +26,22 @@ import json
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .comm import CollectiveFailed, CollectiveTimeout, Comm
 from .errors import OutOfStepError, PeerConnectionError, PeerTimeoutError
 from .validation import Call
 
 #: Header fields, in the order a mismatch is reported (the first that differs explains best).
+#: ``queries`` is compared only between ranks that own the same head (:func:`agree_call`).
 HEADER_FIELDS = (
-    "instance", "op", "call", "config", "rows", "query_len", "requests", "width",
-    "init_blocks", "local_blocks", "extra", "seq_lens",
+    "instance", "op", "tag", "call", "config", "rows", "query_len", "requests", "width",
+    "init_blocks", "local_blocks", "extra", "seq_lens", "fingerprint",
 )  # fmt: skip
+
+
+#: What torch.distributed raises when its store or a peer's connection is gone.
+DIST_ERRORS: tuple[type[BaseException], ...] = (getattr(dist, "DistError", RuntimeError),)
 
 
 def next_round(comm: Comm, scope: str) -> int:
@@ -53,28 +60,47 @@ def _tensor_digest(t: torch.Tensor) -> str | None:
     # Host tensors only: reading a GPU tensor here would cost a device sync on every call.
     if t.device.type != "cpu":
         return None
-    data = t.contiguous().numpy().tobytes()
+    data = t.contiguous().view(torch.uint8).numpy().tobytes()
     return hashlib.blake2b(data, digest_size=8).hexdigest()
 
 
 def call_header(
-    op: str, instance: int, call_no: int, call: Call, config_digest: int, extra: dict[str, Any]
+    op: str,
+    instance: int,
+    call_no: int,
+    call: Call,
+    config_digest: int,
+    extra: dict[str, Any],
+    *,
+    replica_head: int | None = None,
 ) -> dict[str, Any]:
     """What identifies one call across ranks. ``extra`` holds an operation's own arguments
-    (``select_blocks``: ``topk``)."""
+    (``select_blocks``: ``topk``). Contents travel as hashes, for host tensors only: the
+    ``seq_lens``, the plan's fingerprint (block-table entries read and lengths), and, with
+    ``replica_head`` (the head this rank shares with other ranks when there are more ranks
+    than heads), this rank's queries. Device tensors are compared on the device instead."""
+    plan = call.plan
+    fp = plan.fingerprint
+    on_host = fp is not None and fp.device.type == "cpu"
+    queries = None
+    if replica_head is not None and call.iq.device.type == "cpu":
+        queries = [replica_head, _tensor_digest(call.iq)]
     return {
         "instance": instance,
         "op": op,
+        "tag": call.tag,
         "call": call_no,
         "config": f"{config_digest:016x}",
-        "rows": call.rows,
-        "requests": call.requests,
-        "query_len": call.query_len,
-        "width": call.width,
-        "init_blocks": call.init_blocks,
-        "local_blocks": call.local_blocks,
+        "rows": plan.rows,
+        "requests": plan.requests,
+        "query_len": plan.query_len,
+        "width": plan.width,
+        "init_blocks": plan.init_blocks,
+        "local_blocks": plan.local_blocks,
         "extra": extra,
-        "seq_lens": _tensor_digest(call.seq_lens),
+        "seq_lens": _tensor_digest(plan.seq_lens),
+        "fingerprint": f"{int(fp[0]) & ((1 << 64) - 1):016x}" if on_host else None,
+        "queries": queries,
     }
 
 
@@ -91,9 +117,28 @@ def refusal_header(op: str, instance: int, call_no: int, error: BaseException) -
 def _describe(field: str, value: Any) -> str:
     if field == "instance":
         return f"instance #{value}"
+    if field == "tag":
+        return "no tag" if value is None else f"tag {value}"
     if field == "seq_lens":  # a hash of the contents (None: on a GPU, not hashed)
         return f"seq_lens with hash {value}"
+    if field == "fingerprint":
+        return f"block-table entries and lengths with fingerprint {value}"
     return f"{field}={value}"
+
+
+def _replica_mismatch(headers: list[dict[str, Any]]) -> tuple[int, int, int] | None:
+    """The first ``(head, rank a, rank b)`` whose ranks own one head but hold different
+    queries, or None."""
+    first: dict[int, int] = {}
+    for r, h in enumerate(headers):
+        q = h.get("queries")
+        if not q:
+            continue
+        head, digest = q
+        a = first.setdefault(head, r)
+        if headers[a]["queries"][1] != digest:
+            return head, a, r
+    return None
 
 
 def agree_call(
@@ -132,12 +177,27 @@ def agree_call(
             "instance": " (the ranks called different IndexCP instances; call them in the "
             "same order on every rank)",
             "config": " (the ranks' configurations differ)",
+            "tag": " (a rank skipped, repeated or reordered a call)",
             "call": " (a rank skipped or repeated a call)",
+            "fingerprint": " (the ranks passed different block tables or lengths of equal shapes)",
         }.get(f, "")
         raise OutOfStepError(
             f"rank {rank}: {what} is out of step with rank {peer}: {_describe(f, header.get(f))} "
             f"here, {_describe(f, theirs.get(f))} on rank {peer}{hint}{also}. Nothing was "
             "exchanged; every rank raised. Call reset() on every rank to go on.",
+            rank=rank,
+            peer=peer,
+            call=call_no,
+        )
+    replica = _replica_mismatch(headers)
+    if replica is not None:
+        head, a, b = replica
+        peer = b if a == rank else a
+        raise OutOfStepError(
+            f"rank {rank}: {what}: ranks {a} and {b} both own head {head} but passed different "
+            f"iq (hashes {headers[a]['queries'][1]} and {headers[b]['queries'][1]}); ranks "
+            "that share a head must pass the same queries. Nothing was exchanged; every rank "
+            "raised. Call reset() on every rank to go on.",
             rank=rank,
             peer=peer,
             call=call_no,
@@ -172,12 +232,98 @@ def exchange(
             phase=what,
         ) from None
     except CollectiveFailed as e:
-        raise PeerConnectionError(
-            f"rank {rank}: {what}: lost the connection to the group's store or a peer: {e.detail}",
-            rank=rank,
-            call=call_no,
-            phase=what,
-        ) from None
+        raise lost_connection(comm, what, e.detail, call_no) from None
+    except DIST_ERRORS as e:  # a store request the comm did not wrap
+        raise lost_connection(comm, what, f"{type(e).__name__}: {e}", call_no) from None
+
+
+def store_host(comm: Comm) -> int | None:
+    """The rank of ``comm``'s group whose process serves the group's key-value store (global
+    rank 0 with torch.distributed's default rendezvous), or None (no store, or not in it)."""
+    group = getattr(comm, "group", None)
+    if group is None:
+        return None
+    try:
+        host = dist.get_group_rank(group, 0)
+    except Exception:  # global rank 0 is not in this group
+        return None
+    return host
+
+
+def lost_connection(comm: Comm, what: str, detail: str, call_no: int = 0) -> PeerConnectionError:
+    """The :class:`PeerConnectionError` for a lost store or peer during ``what``: names the
+    rank whose process serves the store, the first suspect when the store is unreachable."""
+    host = store_host(comm)
+    where = (
+        f"the group's store (served by rank {host}'s process: if that rank died, every rank "
+        "loses the store) or a peer"
+        if host is not None
+        else "a peer"
+    )
+    return PeerConnectionError(
+        f"rank {comm.rank}: {what}: lost the connection to {where}: {detail}",
+        rank=comm.rank,
+        call=call_no,
+        phase=what,
+        peer=-1 if host is None else host,
+    )
+
+
+class ResetRounds:
+    """The rounds of :meth:`cpindex.IndexCP.reset` on one instance: a sequence of keys
+    ``reset/{instance}/0, 1, 2, ...`` that every rank walks in order.
+
+    A rank that resets alone waits in its next round until ``timeout_s`` and then abandons it
+    (the round is gone for every rank: :meth:`Comm.rendezvous`). A rank that later reaches a
+    round found gone learns so at once and walks on to the next. So when every rank calls
+    :meth:`meet` together, whatever each did before (lone resets, rounds missed, resets
+    repeated), every rank walks past the rounds abandoned so far and they all stop at the
+    first round nobody has abandoned: the same round for all, met in one call. A rank that
+    does not come makes the round time out on the others, naming it.
+
+    The walk assumes each rank enters every round it leaves, which a rank does unless its
+    process dies; a rank interrupted inside a round (an exception from the store) is behind
+    the others by one round, and the next reset on every rank meets again: within two resets.
+    """
+
+    def __init__(self, comm: Comm, instance: int) -> None:
+        self.comm, self.instance = comm, instance
+        self.next = 0  # the first round this rank has not entered
+        self._met: list[str] = []  # rounds entered, to release once every rank is past them
+
+    def meet(self, payload: Any, timeout_s: float, *, what: str) -> list[Any]:
+        """Every rank's ``payload`` from the first round not abandoned; raises like
+        :func:`exchange` when a rank does not come (it names them)."""
+        comm = self.comm
+        while True:
+            key = f"reset/{self.instance}/{self.next}"
+            self.next += 1
+            self._met.append(key)
+            try:
+                reports = rendezvous(comm, key, payload, timeout_s)
+            except CollectiveTimeout as e:
+                if e.abandoned:
+                    continue  # a lone or earlier reset gave up on this round: walk on
+                late = ", ".join(map(str, e.late)) or "unknown"
+                raise PeerTimeoutError(
+                    f"rank {comm.rank}: {what} timed out after {timeout_s} s waiting for "
+                    f"rank(s) {late}, which did not come (not calling reset(), busy elsewhere, "
+                    "or their process died). The instance stays broken: call reset() again on "
+                    "every rank.",
+                    rank=comm.rank,
+                    peer=e.late[0] if e.late else -1,
+                    call=0,
+                    phase=what,
+                ) from None
+            except CollectiveFailed as e:
+                raise lost_connection(comm, what, e.detail) from None
+            except DIST_ERRORS as e:
+                raise lost_connection(comm, what, f"{type(e).__name__}: {e}") from None
+            # Every rank has entered every round up to this one: the earlier ones can go.
+            for old in self._met[:-1]:
+                comm.forget(old)
+            self._met = self._met[-1:]
+            return reports
 
 
 def meet(comm: Comm, key: str, timeout_s: float, *, what: str) -> None:

@@ -8,6 +8,11 @@
 * ``cpindex::select_blocks``: :meth:`~cpindex.IndexCP.select_blocks` by handle; returns copies
   of the ids and the scores (``rows x topk`` each).
 
+Both take the call's ``tag`` and, optionally, a plan by handle (:func:`plan_handle`): the op
+then runs the plan form, provided the tensors and counts it is given are the plan's own (they
+always are through the eager wrappers, which take a :class:`~cpindex.plan.Plan` in place of
+``block_table``); otherwise it runs the positional form, validating them.
+
 All have fake (meta) implementations that only compute output shapes.
 """
 
@@ -21,9 +26,11 @@ import torch
 from . import formats, reference
 from .api import IndexCP
 from .config import CPIndexConfig
+from .plan import Plan
 from .validation import check_call
 
 _instances: weakref.WeakValueDictionary[int, IndexCP] = weakref.WeakValueDictionary()
+_plans: weakref.WeakValueDictionary[int, Plan] = weakref.WeakValueDictionary()
 _scorers: dict[tuple, object] = {}
 
 
@@ -123,6 +130,53 @@ def block_scores(
     )  # fmt: skip
 
 
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+
+
+def _plan_of(
+    handle: int,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    init_blocks: int,
+    local_blocks: int,
+    width: int,
+    query_len: int,
+) -> Plan | None:
+    """The plan named by ``handle`` if these are its inputs, else None (the positional form
+    then validates them)."""
+    p = _plans.get(handle) if handle else None
+    if p is None:
+        return None
+    same = (p.init_blocks, p.local_blocks, p.width, p.query_len) == (
+        init_blocks, local_blocks, width, query_len,
+    )  # fmt: skip
+    if same and _same(p.block_table, block_table) and _same(p.seq_lens, seq_lens):
+        return p
+    return None
+
+
+def _unpack(
+    block_table: torch.Tensor | Plan,
+    seq_lens: torch.Tensor | None,
+    init_blocks: int,
+    local_blocks: int,
+    width: int | None,
+    query_len: int,
+) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int, int]:
+    """The op's arguments for a plan or the positional form, and the plan's handle (0: none)."""
+    if isinstance(block_table, Plan):
+        p = block_table
+        if seq_lens is not None:
+            raise TypeError("plan: pass either a plan or block_table and seq_lens, not both")
+        return (
+            p.block_table, p.seq_lens, p.init_blocks, p.local_blocks, p.width, p.query_len,
+            plan_handle(p),
+        )  # fmt: skip
+    width = block_table.shape[1] if width is None else width
+    return block_table, seq_lens, init_blocks, local_blocks, width, query_len, 0  # type: ignore[return-value]
+
+
 @torch.library.custom_op("cpindex::score_push", mutates_args=())
 def _score_push(
     handle: int,
@@ -135,17 +189,23 @@ def _score_push(
     local_blocks: int,
     width: int,
     query_len: int = 1,
+    tag: int | None = None,
+    plan: int = 0,
 ) -> torch.Tensor:
     cp = _instances[handle]
-    out = cp.score_push(
-        iq, _join(cache, scales), block_table, seq_lens, init_blocks, local_blocks, width,
-        query_len=query_len,
-    )  # fmt: skip
+    p = _plan_of(plan, block_table, seq_lens, init_blocks, local_blocks, width, query_len)
+    if p is not None:
+        out = cp.score_push(iq, _join(cache, scales), p, tag=tag)
+    else:
+        out = cp.score_push(
+            iq, _join(cache, scales), block_table, seq_lens, init_blocks, local_blocks, width,
+            query_len=query_len, tag=tag,
+        )  # fmt: skip
     return out.clone()
 
 
 @_score_push.register_fake
-def _(handle, iq, cache, scales, block_table, seq_lens, init_blocks, local_blocks, width, t=1):
+def _(handle, iq, cache, scales, bt, sl, init, local, width, t=1, tag=None, plan=0):
     # heads_per_rank from iq's shape, not the handle: dynamo may turn the handle into a SymInt
     hpr = iq.shape[1] if iq.dim() == 3 else 1
     return iq.new_empty((hpr, iq.shape[0], width), dtype=torch.float32)
@@ -155,22 +215,27 @@ def score_push(
     cp: IndexCP,
     iq: torch.Tensor,
     index_cache: formats.Cache,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
+    block_table: torch.Tensor | Plan,
+    seq_lens: torch.Tensor | None = None,
     init_blocks: int = 0,
     local_blocks: int = 1,
     width: int | None = None,
     *,
     query_len: int = 1,
+    tag: int | None = None,
 ) -> torch.Tensor:
-    """``cp.score_push(...)`` as a custom op (returns a copy). Inside ``torch.compile`` call
-    ``torch.ops.cpindex.score_push(handle(cp), ...)`` with the handle taken outside."""
+    """``cp.score_push(...)`` as a custom op (returns a copy): with a plan
+    (``score_push(cp, iq, index_cache, plan, tag=...)``) or the positional form. Inside
+    ``torch.compile`` call ``torch.ops.cpindex.score_push(handle(cp), iq, cache, scales,
+    block_table, seq_lens, init_blocks, local_blocks, width, query_len, tag, plan_handle(plan))``
+    with the handles taken outside."""
     cache, scales = _split(index_cache)
-    width = block_table.shape[1] if width is None else width
+    bt, sl, init, local, w, t, ph = _unpack(
+        block_table, seq_lens, init_blocks, local_blocks, width, query_len
+    )
     return torch.ops.cpindex.score_push(
-        handle(cp), iq, cache, scales, block_table, seq_lens, init_blocks, local_blocks, width,
-        query_len,
-    )  # fmt: skip
+        handle(cp), iq, cache, scales, bt, sl, init, local, w, t, tag, ph
+    )
 
 
 @torch.library.custom_op("cpindex::select_blocks", mutates_args=())
@@ -186,17 +251,25 @@ def _select_blocks(
     width: int,
     query_len: int = 1,
     topk: int = 16,
+    tag: int | None = None,
+    plan: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     cp = _instances[handle]
-    ids, scores = cp.select_blocks(
-        iq, _join(cache, scales), block_table, seq_lens, init_blocks, local_blocks, width,
-        query_len=query_len, topk=topk, return_scores=True,
-    )  # fmt: skip
+    p = _plan_of(plan, block_table, seq_lens, init_blocks, local_blocks, width, query_len)
+    if p is not None:
+        ids, scores = cp.select_blocks(
+            iq, _join(cache, scales), p, topk=topk, return_scores=True, tag=tag
+        )
+    else:
+        ids, scores = cp.select_blocks(
+            iq, _join(cache, scales), block_table, seq_lens, init_blocks, local_blocks, width,
+            query_len=query_len, topk=topk, return_scores=True, tag=tag,
+        )  # fmt: skip
     return ids.clone(), scores.clone()
 
 
 @_select_blocks.register_fake
-def _(handle, iq, cache, scales, block_table, seq_lens, init, local, width, t=1, topk=16):
+def _(handle, iq, cache, scales, bt, sl, init, local, width, t=1, topk=16, tag=None, plan=0):
     hpr = iq.shape[1] if iq.dim() == 3 else 1  # from iq, not the handle (see score_push's)
     shape = (hpr, iq.shape[0], topk)
     return iq.new_empty(shape, dtype=torch.int32), iq.new_empty(shape, dtype=torch.float32)
@@ -206,24 +279,27 @@ def select_blocks(
     cp: IndexCP,
     iq: torch.Tensor,
     index_cache: formats.Cache,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
+    block_table: torch.Tensor | Plan,
+    seq_lens: torch.Tensor | None = None,
     init_blocks: int = 0,
     local_blocks: int = 1,
     width: int | None = None,
     *,
     query_len: int = 1,
     topk: int = 16,
+    tag: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``cp.select_blocks(..., return_scores=True)`` as a custom op: copies of the int32 ids and
-    float32 scores ``[heads_per_rank, rows, topk]``. Inside ``torch.compile`` call
-    ``torch.ops.cpindex.select_blocks(handle(cp), ...)`` with the handle taken outside."""
+    float32 scores ``[heads_per_rank, rows, topk]``; with a plan or the positional form. Inside
+    ``torch.compile`` call ``torch.ops.cpindex.select_blocks(handle(cp), ..., query_len, topk,
+    tag, plan_handle(plan))`` with the handles taken outside."""
     cache, scales = _split(index_cache)
-    width = block_table.shape[1] if width is None else width
+    bt, sl, init, local, w, t, ph = _unpack(
+        block_table, seq_lens, init_blocks, local_blocks, width, query_len
+    )
     return torch.ops.cpindex.select_blocks(
-        handle(cp), iq, cache, scales, block_table, seq_lens, init_blocks, local_blocks, width,
-        query_len, topk,
-    )  # fmt: skip
+        handle(cp), iq, cache, scales, bt, sl, init, local, w, t, topk, tag, ph
+    )
 
 
 def handle(cp: IndexCP) -> int:
@@ -231,3 +307,10 @@ def handle(cp: IndexCP) -> int:
     (kept while ``cp`` lives)."""
     _instances[id(cp)] = cp
     return id(cp)
+
+
+def plan_handle(plan: Plan) -> int:
+    """An int naming ``plan`` for the ``cpindex::score_push`` and ``cpindex::select_blocks``
+    ops (kept while ``plan`` lives)."""
+    _plans[id(plan)] = plan
+    return id(plan)

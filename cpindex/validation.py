@@ -1,4 +1,5 @@
-"""Input checks of ``score_push``: the one place they live, run before anything is launched.
+"""Input checks of ``score_push``, ``select_blocks`` and :meth:`IndexCP.plan`: the one place
+they live, run before anything is launched.
 
 Transports trust what reaches them. Shape, dtype, device and size checks are host-only and run
 on every call. Checks that read tensor *contents* (``width`` and ``block_table`` wide enough for
@@ -6,39 +7,55 @@ the longest row, page indices inside the cache) run here only when the tensors a
 where they are free. On a GPU they would cost a device sync per call and break graph capture,
 so the fused kernel makes them instead and records a failure in its error word, which the next
 call (or :meth:`cpindex.IndexCP.check`) raises as :class:`~cpindex.BadBlockTableError`.
+
+A step's shared inputs (block table, lengths, query length, forcing counts, width) are checked
+once by :func:`check_plan`; each call then checks its own ``iq`` and cache against the plan
+(:func:`check_planned`). The positional form checks both (:func:`check_call`). Any exception an
+argument raises while being checked (an exotic tensor whose attributes raise) is reported as a
+``TypeError`` naming that argument, so a rank's bad input is always a refusal its peers hear
+about, never a crash inside the call.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from numbers import Integral
+from typing import TypeVar
 
 import torch
 
-from . import formats
+from . import fingerprint, formats
 from .config import CPIndexConfig
+from .plan import Plan
+
+T = TypeVar("T")
+
+#: Tags are compared across ranks as 64-bit values (the kernel keeps them in a u64 flag word).
+TAG_LIMIT = 1 << 63
 
 
 @dataclass(frozen=True)
 class Call:
-    """One validated ``score_push`` call."""
+    """One validated call: this rank's queries and cache, the step's plan, and the tag."""
 
-    iq: torch.Tensor  # [requests * query_len, heads_per_rank, 128], contiguous
+    iq: torch.Tensor  # [plan.rows, heads_per_rank, 128], contiguous
     index_cache: formats.Cache
-    block_table: torch.Tensor  # [requests, max_blocks]
-    seq_lens: torch.Tensor  # [requests]
-    init_blocks: int
-    local_blocks: int
-    width: int
-    query_len: int = 1
+    plan: Plan
+    tag: int | None = None
 
-    @property
-    def rows(self) -> int:
-        """Query rows: ``requests * query_len``."""
-        return self.iq.shape[0]
 
-    @property
-    def requests(self) -> int:
-        return self.block_table.shape[0]
+def _guarded(name: str, check: Callable[[], T]) -> T:
+    """Run ``check``; anything but the TypeError/ValueError it means to raise becomes a
+    TypeError naming ``name`` (a nested or otherwise exotic tensor whose attributes raise)."""
+    try:
+        return check()
+    except (TypeError, ValueError):
+        raise
+    except Exception as e:
+        raise TypeError(
+            f"{name}: unsupported argument ({type(e).__name__}: {e}); expected a plain dense tensor"
+        ) from e
 
 
 def _desc(t: torch.Tensor) -> str:
@@ -48,6 +65,9 @@ def _desc(t: torch.Tensor) -> str:
 def _tensor(name: str, t: object) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.is_nested or t.layout != torch.strided:
+        kind = "nested" if t.is_nested else str(t.layout)
+        raise TypeError(f"{name}: expected a dense (strided) tensor, got a {kind} tensor")
     return t
 
 
@@ -101,21 +121,19 @@ def _nvfp4_tokens_aligned(cache: formats.Cache) -> None:
         )
 
 
-def check_call(
-    cfg: CPIndexConfig,
-    heads_per_rank: int,
-    device: torch.device,
-    iq: object,
-    index_cache: object,
-    block_table: object,
-    seq_lens: object,
-    init_blocks: object,
-    local_blocks: object,
-    width: object,
-    query_len: object = 1,
-) -> Call:
-    """Validates one call; raises ``TypeError``/``ValueError`` naming the argument."""
-    query_len = _count("query_len", query_len, 1, cfg.max_query_len)
+def check_tag(tag: object) -> int | None:
+    """``None`` or an int in ``[0, 2**63)``."""
+    if tag is None:
+        return None
+    if isinstance(tag, bool) or not isinstance(tag, Integral):
+        raise TypeError(f"tag: expected an int or None, got {type(tag).__name__}")
+    tag = int(tag)
+    if not 0 <= tag < TAG_LIMIT:
+        raise ValueError(f"tag: expected in [0, 2**63), got {tag}")
+    return tag
+
+
+def _iq(cfg: CPIndexConfig, heads_per_rank: int, device: torch.device, iq: object) -> torch.Tensor:
     iq = _tensor("iq", iq)
     qdt = formats.query_dtype(cfg.cache_format)
     if iq.dtype != qdt:
@@ -138,41 +156,53 @@ def check_call(
     rows = iq.shape[0]
     if not 1 <= rows <= cfg.max_rows:
         raise ValueError(f"iq: rows must be in [1, max_rows={cfg.max_rows}], got {rows}")
-    if rows % query_len:
-        raise ValueError(
-            f"iq: rows must be requests * query_len (query_len={query_len}), got {rows} rows"
-        )
-    requests = rows // query_len
+    return iq
 
+
+def _cache(cfg: CPIndexConfig, device: torch.device, index_cache: object) -> formats.Cache:
     if not isinstance(index_cache, (torch.Tensor, tuple)):
         raise TypeError(
             f"index_cache: expected a tensor (or a (packed, scales) pair for nvfp4), "
             f"got {type(index_cache).__name__}"
         )
+    parts = index_cache if isinstance(index_cache, tuple) else (index_cache,)
+    for k, part in enumerate(parts):
+        if isinstance(part, torch.Tensor):
+            _tensor("index_cache" if len(parts) == 1 else f"index_cache[{k}]", part)
     formats.check_cache(index_cache, cfg.cache_format)
-    for k, part in enumerate(index_cache if isinstance(index_cache, tuple) else (index_cache,)):
+    for k, part in enumerate(parts):
         name = "index_cache" if not isinstance(index_cache, tuple) else f"index_cache[{k}]"
         _on(name, part, device)
         _aligned(name, part, pages=True)
     if cfg.cache_format == "nvfp4":
         _nvfp4_tokens_aligned(index_cache)
+    return index_cache
 
+
+def _block_table(
+    device: torch.device, block_table: object, requests: int | None, rows_note: str
+) -> torch.Tensor:
     block_table = _tensor("block_table", block_table)
     if block_table.dtype != torch.int32:
         raise TypeError(
             f"block_table: expected torch.int32 [rows, max_blocks], got {_desc(block_table)}"
         )
-    if block_table.dim() != 2 or block_table.shape[0] != requests or block_table.shape[1] < 1:
+    want = block_table.shape[0] if requests is None and block_table.dim() == 2 else requests
+    if block_table.dim() != 2 or block_table.shape[0] != want or block_table.shape[1] < 1:
+        n = "requests" if want is None else want
         raise ValueError(
-            f"block_table: expected torch.int32 [{requests}, max_blocks >= 1] (one row per "
-            f"request: iq's {rows} rows / query_len {query_len}), got {_desc(block_table)}"
+            f"block_table: expected torch.int32 [{n}, max_blocks >= 1] (one row per "
+            f"request{rows_note}), got {_desc(block_table)}"
         )
     if block_table.stride(1) != 1:
         raise ValueError(
             f"block_table: rows must be contiguous, got strides {block_table.stride()}"
         )
     _on("block_table", block_table, device)
+    return block_table
 
+
+def _seq_lens(device: torch.device, seq_lens: object, requests: int) -> torch.Tensor:
     seq_lens = _tensor("seq_lens", seq_lens)
     if seq_lens.dtype != torch.int32:
         raise TypeError(f"seq_lens: expected torch.int32 [{requests}], got {_desc(seq_lens)}")
@@ -186,7 +216,37 @@ def check_call(
             f"seq_lens: expected a contiguous tensor, got strides {list(seq_lens.stride())}"
         )
     _on("seq_lens", seq_lens, device)
+    return seq_lens
 
+
+def check_plan(
+    cfg: CPIndexConfig,
+    device: torch.device,
+    block_table: object,
+    seq_lens: object,
+    init_blocks: object = 0,
+    local_blocks: object = 1,
+    width: object = None,
+    query_len: object = 1,
+    *,
+    fingerprint_out: torch.Tensor | None = None,
+    rows: int | None = None,
+) -> Plan:
+    """Validates a step's shared inputs; raises ``TypeError``/``ValueError`` naming the
+    argument. ``width`` None takes ``block_table.shape[1]``. ``rows`` (the positional form):
+    the rows of the call's ``iq``, which fix the requests. With ``fingerprint_out`` (int64
+    ``[1]`` on ``device``) the plan's fingerprint is computed into it."""
+    query_len = _count("query_len", query_len, 1, cfg.max_query_len)
+    requests = None if rows is None else rows // query_len
+    note = "" if rows is None else f": iq's {rows} rows / query_len {query_len}"
+    block_table = _guarded("block_table", lambda: _block_table(device, block_table, requests, note))
+    requests = block_table.shape[0]
+    if rows is None and requests * query_len > cfg.max_rows:
+        raise ValueError(
+            f"block_table: {requests} requests x query_len {query_len} = "
+            f"{requests * query_len} rows, more than max_rows={cfg.max_rows}"
+        )
+    seq_lens = _guarded("seq_lens", lambda: _seq_lens(device, seq_lens, requests))
     init_blocks = _count("init_blocks", init_blocks, 0)
     local_blocks = _count("local_blocks", local_blocks, 0)
     # Forcing counts past max_width (at most 2**20) force nothing more; bounding them keeps
@@ -194,13 +254,86 @@ def check_call(
     for name, v in (("init_blocks", init_blocks), ("local_blocks", local_blocks)):
         if v > cfg.max_width:
             raise ValueError(f"{name}: expected <= max_width ({cfg.max_width}), got {v}")
+    if width is None:
+        width = block_table.shape[1]
     width = _count("width", width, 1, cfg.max_width)
-
+    plan = Plan(
+        block_table, seq_lens, query_len, init_blocks, local_blocks, width, fingerprint_out, cfg
+    )
     if seq_lens.device.type == "cpu":
-        _check_contents(
-            cfg, index_cache, block_table, seq_lens, init_blocks, local_blocks, width, query_len
+        _check_contents(plan, None)
+    return plan.refresh()
+
+
+def check_planned(
+    cfg: CPIndexConfig,
+    heads_per_rank: int,
+    device: torch.device,
+    iq: object,
+    index_cache: object,
+    plan: object,
+    tag: object = None,
+) -> Call:
+    """Validates one call made with a plan: the plan's origin, ``iq`` against it, the cache,
+    the tag. On the CPU the plan's contents are checked again (against this cache's pages)
+    and its fingerprint recomputed: the tensors may have changed since the plan was made."""
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan: expected a cpindex Plan (IndexCP.plan), got {type(plan).__name__}")
+    if plan.config is not cfg and plan.config != cfg:
+        raise ValueError(
+            "plan: made by an IndexCP with another configuration (or not by IndexCP.plan); "
+            "make it with this instance's plan()"
         )
-    return Call(iq, index_cache, block_table, seq_lens, init_blocks, local_blocks, width, query_len)
+    if plan.device != device:
+        raise ValueError(f"plan: its tensors are on {plan.device}, this instance on {device}")
+    tag = check_tag(tag)
+    iq = _guarded("iq", lambda: _iq(cfg, heads_per_rank, device, iq))
+    if iq.shape[0] != plan.rows:
+        raise ValueError(
+            f"iq: expected {plan.rows} rows (the plan's {plan.requests} requests x query_len "
+            f"{plan.query_len}), got {iq.shape[0]}"
+        )
+    index_cache = _guarded("index_cache", lambda: _cache(cfg, device, index_cache))
+    if device.type == "cpu":
+        _check_contents(plan, index_cache)
+        plan.refresh()
+    return Call(iq, index_cache, plan, tag)
+
+
+def check_call(
+    cfg: CPIndexConfig,
+    heads_per_rank: int,
+    device: torch.device,
+    iq: object,
+    index_cache: object,
+    block_table: object,
+    seq_lens: object,
+    init_blocks: object = 0,
+    local_blocks: object = 1,
+    width: object = None,
+    query_len: object = 1,
+    tag: object = None,
+    *,
+    fingerprint_out: torch.Tensor | None = None,
+) -> Call:
+    """Validates one positional call (its plan included); raises ``TypeError``/``ValueError``
+    naming the argument."""
+    tag = check_tag(tag)
+    query_len = _count("query_len", query_len, 1, cfg.max_query_len)
+    iq = _guarded("iq", lambda: _iq(cfg, heads_per_rank, device, iq))
+    rows = iq.shape[0]
+    if rows % query_len:
+        raise ValueError(
+            f"iq: rows must be requests * query_len (query_len={query_len}), got {rows} rows"
+        )
+    index_cache = _guarded("index_cache", lambda: _cache(cfg, device, index_cache))
+    plan = check_plan(
+        cfg, device, block_table, seq_lens, init_blocks, local_blocks, width, query_len,
+        fingerprint_out=fingerprint_out, rows=rows,
+    )  # fmt: skip
+    if device.type == "cpu":
+        _check_pages(plan, index_cache)
+    return Call(iq, index_cache, plan, tag)
 
 
 def check_topk(cfg: CPIndexConfig, topk: object, return_scores: object = False) -> int:
@@ -214,17 +347,10 @@ def check_topk(cfg: CPIndexConfig, topk: object, return_scores: object = False) 
     return topk
 
 
-def _check_contents(
-    cfg: CPIndexConfig,
-    index_cache: formats.Cache,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    init_blocks: int,
-    local_blocks: int,
-    width: int,
-    query_len: int,
-) -> None:
-    """Checks that read CPU tensors' contents (see the module docstring)."""
+def _check_contents(plan: Plan, index_cache: formats.Cache | None) -> None:
+    """Checks that read CPU tensors' contents (see the module docstring); the page check only
+    with a cache."""
+    seq_lens, block_table, query_len = plan.seq_lens, plan.block_table, plan.query_len
     short = (seq_lens < query_len).nonzero()
     if short.numel():
         r = int(short[0, 0])
@@ -233,20 +359,28 @@ def _check_contents(
             f"counts its own query tokens, so it must be >= query_len ({query_len})"
         )
     longest = int(seq_lens.max())
-    need = -(-longest // cfg.block_size)
-    if need > width:
+    need = -(-longest // fingerprint.BLOCK_SIZE)
+    if need > plan.width:
         raise ValueError(
-            f"width: the longest row ({longest} tokens) needs {need} columns, got width={width}"
+            f"width: the longest row ({longest} tokens) needs {need} columns, got "
+            f"width={plan.width}"
         )
     if need > block_table.shape[1]:
         raise ValueError(
             f"block_table: the longest row ({longest} tokens) needs {need} blocks, "
             f"got max_blocks={block_table.shape[1]}"
         )
+    if index_cache is not None:
+        _check_pages(plan, index_cache)
+
+
+def _check_pages(plan: Plan, index_cache: formats.Cache) -> None:
+    """Every page the scan reads lies inside ``index_cache`` (CPU tensors)."""
+    block_table = plan.block_table
     pages = (index_cache[0] if isinstance(index_cache, tuple) else index_cache).shape[0]
-    n = (seq_lens.to(torch.int64) + cfg.block_size - 1) // cfg.block_size
+    n = (plan.seq_lens.to(torch.int64) + fingerprint.BLOCK_SIZE - 1) // fingerprint.BLOCK_SIZE
     j = torch.arange(block_table.shape[1])
-    scanned = (j < (n - local_blocks).unsqueeze(1)) & (j >= init_blocks)
+    scanned = (j < (n - plan.local_blocks).unsqueeze(1)) & (j >= plan.init_blocks)
     used = block_table[scanned]
     bad = (used < 0) | (used >= pages)
     if bad.any():

@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from cpindex import CPIndexConfig, IndexCP, kernels, testing
+from cpindex.spawn import free_port
 from cpindex.transports.peer import allow_shared_gpu_processes
-from cpindex.world import free_port
 
 DEV = "cuda:0"
 FORMATS = ("bf16", "fp8", "nvfp4")

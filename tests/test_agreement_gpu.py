@@ -14,7 +14,8 @@ import torch
 from _gpu import assert_scores, expected, for_rank, kernel_copy, needs_gpu
 
 from cpindex import CPIndexConfig, IndexCP, OutOfStepError, testing
-from cpindex.world import Comm, in_turn, run_threads
+from cpindex.comm import Comm
+from cpindex.world import in_turn, run_threads
 
 pytestmark = [needs_gpu, pytest.mark.gpu]
 DEV = "cuda:0"

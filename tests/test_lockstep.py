@@ -213,13 +213,17 @@ def sc_late_peer(comm: Comm, rank: int) -> dict:
 
 
 def sc_reset_missed(comm: Comm, rank: int) -> dict:
+    """Rank 1 misses rank 0's reset; rank 0 tries again, and rank 1's one late reset walks
+    past the abandoned round and meets rank 0's second."""
     with cpindex.IndexCP(_cfg(timeout_s=TIMEOUT), device="cpu", comm=comm) as cp:
         _push(cp)
         if rank == 1:
             time.sleep(1.5 * TIMEOUT)  # misses rank 0's reset
-        first = _attempt(cp.reset)
-        second = _attempt(cp.reset)  # both come this time
-        return {"first": first, "second": second, "correct": _correct(cp)}
+            res = {"first": _attempt(cp.reset)}
+        else:
+            res = {"first": _attempt(cp.reset), "second": _attempt(cp.reset)}
+        res["correct"] = _correct(cp)
+        return res
 
 
 def sc_close_meet(comm: Comm, rank: int) -> dict:
@@ -406,9 +410,10 @@ def test_reset_is_bounded_and_names_who_did_not_come(kind, tmp_path_factory):
         and "waiting for rank(s) 1, which did not come" in first["msg"]
     )
     assert first["s"] < TIMEOUT + SLACK
-    assert r1["first"]["type"] == "PeerTimeoutError"  # came too late: told at once
+    assert r0["second"]["type"] is None, r0["second"]
+    assert r1["first"]["type"] is None, r1["first"]  # walked past the abandoned round
+    assert r1["first"]["s"] < TIMEOUT
     for r in (r0, r1):
-        assert r["second"]["type"] is None, r["second"]
         assert r["correct"]
 
 

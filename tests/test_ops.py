@@ -46,3 +46,32 @@ def test_score_push_op_compiles_in_a_world():
     for rank, (got, eager) in enumerate(run_threads(2, rank_fn)):
         want = full[2 * rank : 2 * rank + 2]
         assert torch.equal(got, want) and torch.equal(eager, want)
+
+
+def test_ops_take_a_plan_and_a_tag():
+    prob = testing.make_problem(2, 900, "fp8", seed=3)
+
+    def rank_fn(comm):
+        cfg = CPIndexConfig(cache_format="fp8", max_rows=4, max_width=8)
+        with IndexCP(cfg, device="cpu", comm=comm) as cp:
+            iq = prob.rank_queries(comm.rank, comm.world_size)
+            plan = cp.plan(prob.block_table, prob.seq_lens, width=8)
+            h, ph = ops.handle(cp), ops.plan_handle(plan)
+
+            @torch.compile(fullgraph=True, backend="aot_eager")
+            def f(iq, cache, bt, sl, tag):
+                return torch.ops.cpindex.score_push(h, iq, cache, None, bt, sl, 0, 1, 8, 1, tag, ph)
+
+            compiled = f(iq, prob.index_cache, prob.block_table, prob.seq_lens, 7)
+            eager = ops.score_push(cp, iq, prob.index_cache, plan, tag=8)
+            ids, _ = ops.select_blocks(cp, iq, prob.index_cache, plan, topk=4, tag=9)
+            return compiled, eager, ids
+
+    full = reference.block_scores(prob.q, prob.index_cache, prob.block_table, prob.seq_lens,
+                                  init_blocks=0, local_blocks=1, width=8)  # fmt: skip
+    top = reference.select_blocks(prob.q, prob.index_cache, prob.block_table, prob.seq_lens,
+                                  init_blocks=0, local_blocks=1, width=8, topk=4)  # fmt: skip
+    for rank, (compiled, eager, ids) in enumerate(run_threads(2, rank_fn)):
+        heads = slice(2 * rank, 2 * rank + 2)
+        assert torch.equal(compiled, full[heads]) and torch.equal(eager, full[heads])
+        assert torch.equal(ids, top[heads])

@@ -455,3 +455,147 @@ def test_nvfp4_pair_token_strides(tok_values, tok_scales, bad):
     else:
         with pytest.raises(ValueError, match=bad + ": nvfp4"):
             _push("nvfp4", edit)
+
+
+# --------------------------------------------------------------------------- plans and tags
+
+
+def _with_cp(fn, **cfg):
+    def rank(comm):
+        config = CPIndexConfig(
+            **{"max_rows": 4, "max_width": 16, "cache_format": "nvfp4", "num_heads": 1, **cfg}
+        )
+        with cpindex.IndexCP(config, device="cpu", comm=comm) as cp:
+            return fn(cp)
+
+    return run_threads(1, rank)[0]
+
+
+def test_plan_form_equals_positional_form():
+    a = _args("nvfp4")
+
+    def fn(cp):
+        plan = cp.plan(a["block_table"], a["seq_lens"], width=a["width"])
+        assert (plan.requests, plan.rows, plan.width, plan.query_len) == (ROWS, ROWS, 5, 1)
+        layers = [cp.score_push(a["iq"], a["index_cache"], plan, tag=k).clone() for k in range(3)]
+        ids = cp.select_blocks(a["iq"], a["index_cache"], plan, topk=3, tag=4).clone()
+        return layers, ids, cp.score_push(**a).clone()
+
+    layers, ids, positional = _with_cp(fn)
+    assert all(torch.equal(x, positional) for x in layers)
+    want = reference.select_blocks(
+        a["iq"],
+        a["index_cache"],
+        a["block_table"],
+        a["seq_lens"],
+        init_blocks=0,
+        local_blocks=1,
+        width=a["width"],
+        topk=3,
+    )
+    assert torch.equal(ids, want)
+
+
+def test_plan_refusals_name_the_argument():
+    a = _args("nvfp4")
+
+    def fn(cp):
+        plan = cp.plan(a["block_table"], a["seq_lens"])
+        with pytest.raises(TypeError, match=r"plan: pass either a plan or block_table"):
+            cp.score_push(a["iq"], a["index_cache"], plan, a["seq_lens"])
+        with pytest.raises(TypeError, match=r"plan: pass either a plan or block_table"):
+            cp.select_blocks(a["iq"], a["index_cache"], plan, query_len=2)
+        with pytest.raises(ValueError, match=r"iq: expected 3 rows \(the plan's 3 requests x"):
+            cp.score_push(a["iq"][:2], a["index_cache"], plan)
+        with pytest.raises(ValueError, match=r"block_table: 3 requests x query_len 2 = 6 rows"):
+            cp.plan(a["block_table"], a["seq_lens"], query_len=2)
+        with pytest.raises(ValueError, match=r"width: the longest row \(600 tokens\) needs 5"):
+            cp.plan(a["block_table"], a["seq_lens"], width=4)
+        with pytest.raises(TypeError, match=r"seq_lens: expected torch.int32 \[3\]"):
+            cp.plan(a["block_table"], a["seq_lens"].long())
+        other = CPIndexConfig(max_rows=8, max_width=16, num_heads=1)
+        foreign = cpindex.Plan(a["block_table"], a["seq_lens"], width=5, config=other)
+        with pytest.raises(ValueError, match=r"plan: made by an IndexCP with another config"):
+            cp.score_push(a["iq"], a["index_cache"], foreign)
+        # contents are checked against the cache at every call on the CPU
+        small = a["index_cache"][:2]
+        with pytest.raises(ValueError, match=r"block_table: row 0, block \d names page"):
+            cp.score_push(a["iq"], small, plan)
+        return cp.score_push(a["iq"], a["index_cache"], plan).clone()  # still usable (W = 1)
+
+    assert _with_cp(fn).shape == (1, ROWS, 5)
+
+
+def test_plan_sees_tensors_changed_in_place():
+    """A plan holds the tensors themselves: a call reads their current contents (and, on the
+    CPU, checks them again)."""
+    a = _args("nvfp4")
+    other = testing.make_problem(ROWS, MAX_LEN, "nvfp4", num_heads=1, seed=2)
+
+    def fn(cp):
+        bt, sl = a["block_table"].clone(), a["seq_lens"].clone()
+        plan = cp.plan(bt, sl, width=5)
+        first = cp.score_push(a["iq"], a["index_cache"], plan).clone()
+        bt.copy_(other.block_table[:, :5])
+        sl.copy_(other.seq_lens.clamp(max=640))
+        second = cp.score_push(a["iq"], a["index_cache"], plan).clone()
+        bt[0, 0] = -1
+        with pytest.raises(ValueError, match=r"block_table: row 0, block 0 names page -1"):
+            cp.score_push(a["iq"], a["index_cache"], plan)
+        return first, second, sl.clone()
+
+    first, second, lens = _with_cp(fn)
+    want = reference.block_scores(
+        a["iq"],
+        a["index_cache"],
+        other.block_table[:, :5],
+        lens,
+        init_blocks=0,
+        local_blocks=1,
+        width=5,
+    )
+    assert torch.equal(second, want) and not torch.equal(first, second)
+
+
+@pytest.mark.parametrize(
+    ("tag", "error"),
+    [(-1, ValueError), (1 << 63, ValueError), (2.0, TypeError), (False, TypeError),
+     ("1", TypeError)],
+)  # fmt: skip
+def test_tag_must_be_an_int_below_2_63(tag, error):
+    with pytest.raises(error, match=r"tag: expected"):
+        _push("fp8", _set(tag=tag))
+
+
+def test_tag_accepts_integral_types():
+    import numpy as np
+
+    assert torch.equal(_push("fp8", _set(tag=np.int64(5))), _push("fp8", _set(tag=(1 << 63) - 1)))
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_nested_iq_is_a_type_error():
+    def edit(a):
+        a["iq"] = torch.nested.nested_tensor([r.float() for r in a["iq"].unbind(0)]).to(
+            torch.float8_e4m3fn
+        )
+
+    with pytest.raises(TypeError, match=r"iq: expected a dense \(strided\) tensor, got a nested"):
+        _push("nvfp4", edit)
+
+
+class _Exotic(torch.Tensor):
+    """A tensor whose shape cannot be read (as some wrapper subclasses behave)."""
+
+    @property
+    def shape(self):  # type: ignore[override]
+        raise RuntimeError("this tensor has no sizes")
+
+
+@pytest.mark.parametrize("name", ["iq", "block_table", "seq_lens"])
+def test_an_exotic_tensor_is_a_type_error_naming_it(name):
+    def edit(a):
+        a[name] = torch.Tensor._make_subclass(_Exotic, a[name])
+
+    with pytest.raises(TypeError, match=rf"{name}: unsupported argument \(RuntimeError: this"):
+        _push("fp8", edit)

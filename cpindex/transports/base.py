@@ -58,6 +58,9 @@ class Transport(ABC):
     #: carries the identity with the queries (``ipc``, ``mori``) leave it False: a host round
     #: per call would cost their latency and cannot sit inside a graph capture.
     host_lockstep: ClassVar[bool] = False
+    #: Whether calls compare the plan's agreement fingerprint (``call.plan.fingerprint``) across
+    #: ranks; ``IndexCP`` computes it only then (and when ``config.fingerprint`` is on).
+    compares_fingerprint: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod
@@ -71,7 +74,8 @@ class Transport(ABC):
     @abstractmethod
     def score_push(self, call: Call) -> torch.Tensor:
         """This rank's ``[heads_per_rank, rows, width]`` scores, a view valid until the next
-        call."""
+        call. ``call`` is validated: ``call.iq``, ``call.index_cache``, ``call.tag`` and the
+        step's ``call.plan`` (block table, lengths, counts, width, fingerprint)."""
 
     def select_blocks(self, call: Call, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's heads' top ``topk`` blocks (docs/contract.md §6): int32 ids ascending,
@@ -99,7 +103,7 @@ class Transport(ABC):
             outputs = self._select_outputs = selection.Outputs(
                 ctx.config, ctx.heads_per_rank, ctx.device
             )
-        ids, vals = outputs.views(call.rows, topk)
+        ids, vals = outputs.views(call.plan.rows, topk)
         selection.select(scores, topk, ids, vals)
         if fence:
             ctx.comm.barrier()

@@ -36,6 +36,7 @@ from ..config import CPIndexConfig
 from ..errors import TransportUnavailable
 from ..kernels import structs
 from ..kernels.launcher import ErrorMonitor, KernelScorer
+from ..plan import Plan
 from ..validation import Call
 from .base import Context, Transport
 
@@ -222,40 +223,39 @@ class PushEngine:
         """One launch: score this rank's share into the local shard, keep its top ``topk``
         per (row, head) as candidates, push them to each head's owner, merge the ``W * topk``
         candidates of this rank's heads. ``topk <= structs.MAX_FUSED_TOPK``."""
-        key = (
-            "select", call.requests, call.query_len, call.width, call.init_blocks,
-            call.local_blocks, topk,
-        )  # fmt: skip
+        p = call.plan
+        key = ("select", p.requests, p.query_len, p.width, p.init_blocks, p.local_blocks, topk)
         img = self._images.get(key)
         if img is None:
             img = self._images[key] = self._select_params(*key[1:])
         self.scorer.launch(
             call.iq,
             call.index_cache,
-            call.block_table,
-            call.seq_lens,
+            p.block_table,
+            p.seq_lens,
             img,
-            width=call.width,
-            query_len=call.query_len,
+            width=p.width,
+            query_len=p.query_len,
             push=self.push_image,
             tag=call.tag,
         )
-        return self.selected.views(call.rows, topk)
+        return self.selected.views(p.rows, topk)
 
     def score_push(self, call: Call) -> torch.Tensor:
-        rows, width = call.rows, call.width
-        key = (call.requests, call.query_len, width, call.init_blocks, call.local_blocks)
+        p = call.plan
+        rows, width = p.rows, p.width
+        key = (p.requests, p.query_len, width, p.init_blocks, p.local_blocks)
         img = self._images.get(key)
         if img is None:
             img = self._images[key] = self._params(*key)
         self.scorer.launch(
             call.iq,
             call.index_cache,
-            call.block_table,
-            call.seq_lens,
+            p.block_table,
+            p.seq_lens,
             img,
             width=width,
-            query_len=call.query_len,
+            query_len=p.query_len,
             push=self.push_image,
             tag=call.tag,
         )
@@ -278,14 +278,17 @@ class PushEngine:
             else (torch.bfloat16 if fmt == "bf16" else torch.float8_e4m3fn),
             device=dev,
         )
-        call = Call(
-            iq=torch.zeros(1, self.hpr, cfg.head_dim, device=dev).to(formats.query_dtype(fmt)),
-            index_cache=cache,
+        plan = Plan(
             block_table=torch.zeros(1, width, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor([n * cfg.block_size], dtype=torch.int32, device=dev),
             init_blocks=init,
             local_blocks=n - init,
             width=width,
+        )
+        call = Call(
+            iq=torch.zeros(1, self.hpr, cfg.head_dim, device=dev).to(formats.query_dtype(fmt)),
+            index_cache=cache,
+            plan=plan,
         )
         self.recv[: self.hpr * width].fill_(float("nan"))
         torch.cuda.synchronize(dev)

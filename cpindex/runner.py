@@ -1,0 +1,296 @@
+"""The one path every call of an :class:`~cpindex.IndexCP` takes (docs/design.md, "Ranks in
+step"): one caller at a time, refused while broken, a previous call's recorded failure raised
+first, the input validated, the call's header agreed with every rank on host-lockstep
+transports, then the launch; and :meth:`Runner.reset`, which brings the ranks back.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from . import lockstep, partition
+from .comm import Comm
+from .config import CPIndexConfig
+from .errors import (
+    BadBlockTableError,
+    BrokenInstanceError,
+    CPIndexError,
+    OutOfStepError,
+    PeerConnectionError,
+    PeerTimeoutError,
+    add_note,
+)
+from .plan import Plan
+from .transports.base import Transport
+from .validation import Call, check_call, check_plan, check_planned
+
+R = TypeVar("R")
+
+# What a transport raises about its peers: the call ended for every rank alike.
+_PEER_ERRORS = (OutOfStepError, PeerTimeoutError, PeerConnectionError, BadBlockTableError)
+
+#: Calls that must never overlap share a lock. Over torch.distributed, every instance of a
+#: process takes its rounds through one connection to the store, whose blocking waits hold it
+#: for the others: overlapping calls of two instances, even on two process groups, wait on one
+#: another across ranks until their timeouts. One lock per process then; in the one-process
+#: world (ranks are threads, each with its own comm) one per rank.
+_LOCKS: dict[object, tuple[object, threading.Lock]] = {}
+_LOCKS_GUARD = threading.Lock()
+
+
+def _process_lock(comm: Comm) -> threading.Lock:
+    owner: object = comm.counters if comm.same_process else "torch.distributed"
+    with _LOCKS_GUARD:
+        entry = _LOCKS.get(id(owner))
+        if entry is None or entry[0] is not owner:
+            entry = _LOCKS[id(owner)] = (owner, threading.Lock())
+        return entry[1]
+
+
+CONCURRENT = (
+    "call every IndexCP of a process from one thread, in the same order on every rank (a "
+    "second stream or micro-batch gets its own instance, called from that same thread)"
+)
+
+
+class Runner:
+    """Per-call state of one instance: call count, broken state, reset rounds."""
+
+    def __init__(
+        self,
+        config: CPIndexConfig,
+        comm: Comm,
+        transport: Transport,
+        instance: int,
+        device: torch.device,
+    ) -> None:
+        self.config, self.comm, self.transport = config, comm, transport
+        self.instance, self.device = instance, device
+        self.rank, self.world = comm.rank, comm.world_size
+        self.heads_per_rank = config.heads_per_rank(self.world)
+        self.digest = config.digest()
+        self.busy = threading.Lock()
+        self.others = _process_lock(comm)
+        self.closed = False
+        self.calls = 0  # calls on this instance since construction or the last reset
+        self.broken: BaseException | None = None  # why calls are refused until reset()
+        self.left_mid_call: str | None = None  # a host-lockstep call abandoned after its header
+        self.resets = lockstep.ResetRounds(comm, instance)
+        # With more ranks than heads, ranks r, r + H, ... own one head: their queries must agree.
+        heads = config.num_heads
+        self.replica_head = (
+            partition.heads_of_rank(self.rank, heads, self.world)[0] if self.world > heads else None
+        )
+        #: Whether calls carry the plan's agreement fingerprint (config and transport allow).
+        self.fingerprinting = config.fingerprint and transport.compares_fingerprint
+        # Positional calls make a plan per call; its fingerprint lands here (one address, so
+        # captured positional calls replay alike).
+        self._scratch_fp = (
+            torch.zeros(1, dtype=torch.int64, device=device) if self.fingerprinting else None
+        )
+
+    # ---- validation -----------------------------------------------------------------------
+    def new_fingerprint(self) -> torch.Tensor | None:
+        """A fingerprint slot for a new plan, or None when calls compare none."""
+        if not self.fingerprinting:
+            return None
+        return torch.zeros(1, dtype=torch.int64, device=self.device)
+
+    def plan(self, *args: Any) -> Plan:
+        """:func:`check_plan` for :meth:`IndexCP.plan`. A refused plan with peers counts as
+        this rank's refusal of its next call (they raise at once, this instance refuses calls
+        until reset), so that peers never wait out ``timeout_s`` for a call that won't come."""
+        if self.closed:
+            raise CPIndexError("plan on a closed IndexCP")
+        try:
+            return check_plan(
+                self.config, self.device, *args, fingerprint_out=self.new_fingerprint()
+            )
+        except (TypeError, ValueError) as e:
+            if self.world > 1 and self.broken is None:
+                with self._locked("plan"):
+                    self.calls += 1
+                    self.refuse("plan", e)
+            raise
+
+    def checker(
+        self,
+        iq: object,
+        index_cache: object,
+        block_table: object,
+        seq_lens: object,
+        init_blocks: object,
+        local_blocks: object,
+        width: object,
+        query_len: object,
+        tag: object,
+    ) -> Callable[[], Call]:
+        """What validates one call: the plan form or the positional form."""
+        cfg, hpr, dev = self.config, self.heads_per_rank, self.device
+        if isinstance(block_table, Plan):
+            plan = block_table
+            given = (seq_lens, init_blocks, local_blocks, width, query_len)
+            if given != (None, 0, 1, None, 1):
+
+                def mixed() -> Call:
+                    raise TypeError(
+                        "plan: pass either a plan or block_table and seq_lens (with their "
+                        "counts), not both: the plan holds them"
+                    )
+
+                return mixed
+            if self.fingerprinting and plan.fingerprint is None:
+                plan = plan.with_fingerprint(self._scratch_fp)  # type: ignore[arg-type]
+            return lambda: check_planned(cfg, hpr, dev, iq, index_cache, plan, tag)
+        return lambda: check_call(
+            cfg, hpr, dev, iq, index_cache, block_table, seq_lens, init_blocks, local_blocks,
+            width, query_len, tag, fingerprint_out=self._scratch_fp,
+        )  # fmt: skip
+
+    # ---- the call ---------------------------------------------------------------------------
+    def _locked(self, what: str) -> _Held:
+        if self.closed:
+            raise CPIndexError(f"{what} on a closed IndexCP")
+        if not self.busy.acquire(blocking=False):
+            raise CPIndexError(
+                f"rank {self.rank}: {what} called concurrently on one IndexCP: {CONCURRENT}"
+            )
+        if not self.others.acquire(blocking=False):
+            self.busy.release()
+            raise CPIndexError(
+                f"rank {self.rank}: {what} called while another IndexCP of this process is "
+                f"inside a call on another thread: {CONCURRENT}"
+            )
+        return _Held(self)
+
+    def run(
+        self,
+        what: str,
+        validate: Callable[[], Call],
+        launch: Callable[[Call, dict[str, Any]], R],
+        extra: Callable[[], dict[str, Any]] | None = None,
+    ) -> R:
+        """One call. ``validate`` returns the call, ``extra`` the operation's own checked
+        arguments (they join the header); ``launch`` runs it. Any failure once peers may be
+        waiting marks the instance broken until :meth:`reset`."""
+        with self._locked(what):
+            if self.broken is not None:
+                e = self.broken
+                raise BrokenInstanceError(
+                    f"rank {self.rank}: {what} refused: this IndexCP failed earlier "
+                    f"({type(e).__name__}: {e}). Ranks may be out of step; call reset() on "
+                    "every rank to go on."
+                ) from e
+            refused_alone = False  # bad input with no peer waiting: the instance stays usable
+            try:
+                self.calls += 1
+                try:
+                    self.transport.check()  # a previous call's recorded failure, no sync
+                    call = validate()
+                    args = extra() if extra is not None else {}
+                except Exception as e:
+                    refused_alone = self.world == 1 and isinstance(e, (TypeError, ValueError))
+                    if not refused_alone:
+                        self.refuse(what, e)
+                    raise
+                if self.transport.host_lockstep:
+                    header = lockstep.call_header(
+                        what, self.instance, self.calls, call, self.digest, args,
+                        replica_head=self.replica_head,
+                    )  # fmt: skip
+                    lockstep.agree_call(
+                        self.comm, header, self.config.timeout_s,
+                        what=f"call {self.calls} ({what})",
+                    )  # fmt: skip
+                try:
+                    out = launch(call, args)
+                except BaseException as e:
+                    if self.transport.host_lockstep and not isinstance(e, _PEER_ERRORS):
+                        # The header passed, so peers may wait in this call's collectives.
+                        self.left_mid_call = (
+                            f"rank {self.rank} left call {self.calls} after its header round "
+                            f"({type(e).__name__}: {e})"
+                        )
+                    if isinstance(e, lockstep.DIST_ERRORS):  # never a raw backend error
+                        raise lockstep.lost_connection(
+                            self.comm, f"call {self.calls} ({what})", f"{type(e).__name__}: {e}",
+                            self.calls,
+                        ) from e  # fmt: skip
+                    raise
+                if self.config.error_check == "sync" and self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()
+                    self.transport.check()
+                return out
+            except BaseException as e:
+                if self.broken is None and not refused_alone:
+                    self.broken = e
+                raise
+
+    def refuse(self, what: str, error: BaseException) -> None:
+        """Tell the peers that this rank refused its call (host-lockstep transports), so they
+        raise at once instead of waiting out ``timeout_s``. Other transports' peers time out
+        in the kernel and report this rank as late."""
+        self.broken = error
+        if not self.transport.host_lockstep:
+            return
+        header = lockstep.refusal_header(what, self.instance, self.calls, error)
+        try:
+            lockstep.agree_call(
+                self.comm, header, self.config.timeout_s, what=f"call {self.calls} ({what})"
+            )
+        except CPIndexError as e:
+            add_note(error, f"telling the other ranks failed too: {type(e).__name__}: {e}")
+
+    def check(self) -> None:
+        try:
+            self.transport.check()
+        except BaseException as e:
+            if self.broken is None:
+                self.broken = e
+            raise
+
+    def reset(self, timeout_s: float | None) -> None:
+        timeout = self.config.timeout_s if timeout_s is None else timeout_s
+        with self._locked("reset"):
+            mine = {
+                "round": self.comm.counters.get("call", 0),
+                "unrecoverable": self.transport.unrecoverable or self.left_mid_call,
+            }
+            try:
+                reports = self.resets.meet(mine, timeout, what="reset")
+                stuck = [(r, rep["unrecoverable"]) for r, rep in enumerate(reports)]
+                stuck = [(r, why) for r, why in stuck if why]
+                if stuck:
+                    raise CPIndexError(
+                        f"rank {self.rank}: reset: the group cannot be reused: "
+                        + "; ".join(f"rank {r}: {why}" for r, why in stuck)
+                        + ". Its process group may hold a half-done collective: close this "
+                        "instance and rebuild the group."
+                    )
+                self.transport.reset()
+            except BaseException as e:
+                self.broken = self.broken or e
+                raise
+            # Every rank made the same number of header rounds except around the failure:
+            # continue from the furthest, so no rank reuses a round another has entered.
+            self.comm.counters["call"] = max(rep["round"] for rep in reports)
+            self.calls = 0
+            self.broken = None
+
+
+class _Held:
+    """Holds a runner's instance and group locks for one ``with`` block."""
+
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        self.runner.others.release()
+        self.runner.busy.release()

@@ -1,0 +1,493 @@
+"""Ranks that disagree raise on every rank, never return a result (docs/design.md, "Ranks in
+step"): call tags, the agreement fingerprint, replicated heads' queries, a bad tensor on one
+rank, ``reset()`` after any history of lone resets, instances called from threads, and a store
+host that dies inside a call.
+
+Every scenario runs over the ``collective`` transport in real gloo worlds of 2 and 4
+processes (one world per size runs every scenario in turn; the last one kills rank 0), and
+the cheap ones in the in-process world too. Each must end in an error on every rank naming
+what differs, at once (no rank waits out ``timeout_s``), and after ``reset()`` the ranks
+compute correct results again.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import functools
+import itertools
+import os
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from _worlds import Worlds
+
+import cpindex
+from cpindex import partition, reference, testing
+from cpindex.comm import Comm, TorchComm
+from cpindex.config import CPIndexConfig
+
+pytestmark = pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+
+SLACK = 1.5  # what an "at once" error may take (store round trips, scheduling on 2 cores)
+LONE = 0.05  # timeout_s of a lone reset: nobody comes, it gives up after this
+GUARD_S = 240
+
+
+@pytest.fixture(autouse=True)
+def _hang_guard():
+    faulthandler.dump_traceback_later(GUARD_S, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+@functools.cache
+def _prob(heads: int = 4, seed: int = 3) -> testing.Problem:
+    return testing.make_problem(3, 1200, "fp8", num_heads=heads, seed=seed)
+
+
+def _cfg(heads: int = 4, **kw: Any) -> CPIndexConfig:
+    base = dict(
+        cache_format="fp8", max_rows=8, max_width=24, transport="collective", num_heads=heads
+    )
+    return CPIndexConfig(**{**base, "timeout_s": 5.0, **kw})
+
+
+def _args(rank: int, world: int, prob: testing.Problem) -> dict[str, Any]:
+    return dict(
+        iq=prob.rank_queries(rank, world),
+        index_cache=prob.index_cache,
+        block_table=prob.block_table,
+        seq_lens=prob.seq_lens,
+        width=prob.width,
+    )
+
+
+def _want(rank: int, world: int, prob: testing.Problem) -> torch.Tensor:
+    full = reference.block_scores(
+        prob.q, prob.index_cache, prob.block_table, prob.seq_lens, init_blocks=0,
+        local_blocks=1, width=prob.width,
+    )  # fmt: skip
+    return full[partition.heads_of_rank(rank, full.shape[0], world)]
+
+
+def _err(e: BaseException) -> dict[str, Any]:
+    return {
+        "type": type(e).__name__,
+        "msg": str(e),
+        "peer": getattr(e, "peer", None),
+        "cpindex": isinstance(e, cpindex.CPIndexError),
+    }
+
+
+def _attempt(fn: Callable[[], Any]) -> dict[str, Any]:
+    t0 = time.monotonic()
+    try:
+        fn()
+        out: dict[str, Any] = {"type": None}
+    except Exception as e:
+        out = _err(e)
+    out["s"] = time.monotonic() - t0
+    return out
+
+
+def _correct(cp: cpindex.IndexCP, heads: int = 4) -> bool:
+    p = _prob(heads)
+    got = cp.score_push(**_args(cp.rank, cp.world_size, p)).clone()
+    return bool(torch.equal(got, _want(cp.rank, cp.world_size, p)))
+
+
+def _flip(table: torch.Tensor) -> torch.Tensor:
+    """Two read entries of row 0 (the longest request) swapped: equal shapes and pages,
+    another table."""
+    t = table.clone()
+    t[0, 0], t[0, 1] = table[0, 1].item(), table[0, 0].item()
+    return t
+
+
+# --------------------------------------------------------------------------- scenarios
+# Each takes the comm and returns plain data; the tests below check it.
+
+
+def sc_tags(comm: Comm) -> dict:
+    """Rank 1 skips the call tagged 1: every rank raises naming both tags; without a tag on
+    either side the ranks of a healthy step agree; a plan serves several tagged layers."""
+    rank, w = comm.rank, comm.world_size
+    p = _prob()
+    with cpindex.IndexCP(_cfg(), device="cpu", comm=comm) as cp:
+        args = _args(rank, w, p)
+        plan = cp.plan(args.pop("block_table"), args.pop("seq_lens"), width=args.pop("width"))
+        layers = []
+        for layer in range(3):  # the same plan, three tagged layers
+            layers.append(cp.score_push(args["iq"], args["index_cache"], plan, tag=layer).clone())
+        good = all(torch.equal(o, _want(rank, w, p)) for o in layers)
+        iq, cache = args["iq"], args["index_cache"]
+        same = _attempt(lambda: cp.score_push(iq, cache, plan, tag=10))
+        skipped = 12 if rank == 1 else 11  # rank 1 skipped the call tagged 11
+        second = _attempt(lambda: cp.select_blocks(iq, cache, plan, tag=skipped))
+        third = _attempt(lambda: cp.score_push(iq, cache, plan, tag=13))
+        cp.reset()
+        bad_tags = []
+        for t in (-1, 1 << 63, 1.0, True):
+            bad_tags.append(_attempt(lambda t=t: cp.score_push(iq, cache, plan, tag=t)))
+            cp.reset()
+        return {"good": good, "same": same, "second": second, "third": third,
+                "bad_tags": bad_tags, "correct": _correct(cp)}  # fmt: skip
+
+
+def sc_tables(comm: Comm) -> dict:
+    """Equal shapes, different contents: a flipped table, one page, one length; padding that
+    differs (entries no call reads) is not a difference; with ``fingerprint=False`` tables are
+    not compared."""
+    rank, w = comm.rank, comm.world_size
+    p = _prob()
+    out: dict[str, Any] = {}
+    with cpindex.IndexCP(_cfg(), device="cpu", comm=comm) as cp:
+        one_page = p.block_table.clone()
+        pages = p.index_cache.shape[0]
+        unused = sorted(set(range(pages)) - set(p.block_table.flatten().tolist()))
+        one_page[0, 2] = unused[0]  # a spare page (make_problem keeps 3); row 0 reads column 2
+        changes = {"flipped": _flip(p.block_table), "one_page": one_page}
+        for name, table in changes.items():
+            args = _args(rank, w, p)
+            if rank == 1:
+                args["block_table"] = table
+            out[name] = _attempt(lambda a=args: cp.score_push(**a))
+            out[name + "_after"] = _attempt(lambda: _correct(cp))  # broken until reset
+            cp.reset()
+        padded = _args(rank, w, p)  # entries past each row's read columns: garbage per rank
+        table = p.block_table.clone()
+        n = (p.seq_lens.long() + 127) // 128
+        for r in range(table.shape[0]):
+            table[r, n[r] - 1 :] = 1000 + rank  # the local block and padding: never read
+        padded["block_table"] = table
+        got = cp.score_push(**padded).clone()
+        out["padding_ok"] = bool(torch.equal(got, _want(rank, w, p)))
+        out["correct"] = _correct(cp)
+    with cpindex.IndexCP(_cfg(fingerprint=False), device="cpu", comm=comm) as cp:
+        args = _args(rank, w, p)
+        if rank == 1:
+            args["block_table"] = _flip(p.block_table)
+        out["unchecked"] = _attempt(lambda: cp.score_push(**args))
+    return out
+
+
+def sc_replicas(comm: Comm) -> dict:
+    """More ranks than heads: the last rank, a replica of its head, passes other queries."""
+    rank, w = comm.rank, comm.world_size
+    heads = w // 2
+    p = _prob(heads)
+    with cpindex.IndexCP(_cfg(heads), device="cpu", comm=comm) as cp:
+        args = _args(rank, w, p)
+        if rank == w - 1:
+            args["iq"] = (args["iq"].float() * 0.5).to(torch.float8_e4m3fn)
+        res = _attempt(lambda: cp.score_push(**args))
+        cp.reset()
+        return {"call": res, "correct": _correct(cp, heads)}
+
+
+def sc_bad_tensor(comm: Comm) -> dict:
+    """A nested-tensor iq, or a plan refused, on rank 1: a refusal every peer hears at once."""
+    rank, w = comm.rank, comm.world_size
+    p = _prob()
+    with cpindex.IndexCP(_cfg(), device="cpu", comm=comm) as cp:
+        args = _args(rank, w, p)
+        if rank == 1:
+            rows = [r.float() for r in args["iq"].unbind(0)]
+            args["iq"] = torch.nested.nested_tensor(rows).to(torch.float8_e4m3fn)
+        nested = _attempt(lambda: cp.score_push(**args))
+        cp.reset()
+        width = p.width + (100 if rank == 1 else 0)  # rank 1's plan: past max_width
+        planned = _attempt(
+            lambda: cp.score_push(
+                _args(rank, w, p)["iq"], p.index_cache, cp.plan(p.block_table, p.seq_lens,
+                                                                width=width)
+            )
+        )  # fmt: skip
+        cp.reset()
+        return {"nested": nested, "plan": planned, "correct": _correct(cp)}
+
+
+def _sequences(world: int) -> list[tuple[int, ...]]:
+    """Every order of up to three lone resets, with ranks 1..W-1 taken as interchangeable
+    (rank 0, which serves the store, is not)."""
+    out = []
+    for n in range(4):
+        for seq in itertools.product(range(world), repeat=n):
+            names: dict[int, int] = {}
+            canon = tuple(names.setdefault(r, len(names) + 1) if r else 0 for r in seq)
+            if canon == seq:
+                out.append(seq)
+    return out
+
+
+def sc_resets(comm: Comm) -> dict:
+    """After every interleaving of up to three lone resets (and a few lone calls and partial
+    resets), one reset() on every rank brings the group back, at once. Lone calls go to a
+    second instance (``timeout_s=LONE``) on the same group: they move the group's round
+    counter as a missed round does."""
+    rank, w = comm.rank, comm.world_size
+    histories = [[("reset", frozenset({r})) for r in seq] for seq in _sequences(w)]
+    histories += [
+        [("call", frozenset({1}))],  # a rank's lone call times out: it is a round ahead
+        [("call", frozenset({0})), ("reset", frozenset({1})), ("call", frozenset({1}))],
+        [("reset", frozenset(range(w - 1)))],  # all but the last rank
+    ]
+    if w == 4:
+        histories.append([("reset", frozenset({0, 1})), ("reset", frozenset({2}))])
+    out = []
+    p = _prob()
+    a = cpindex.IndexCP(_cfg(), device="cpu", comm=comm)
+    b = cpindex.IndexCP(_cfg(timeout_s=LONE), device="cpu", comm=comm)
+    for history in histories:
+        lone = []
+        for kind, who in history:
+            comm.barrier()
+            if rank in who:
+                if kind == "reset":
+                    lone.append(_attempt(lambda: a.reset(timeout_s=LONE)))
+                else:
+                    lone.append(_attempt(lambda: b.score_push(**_args(rank, w, p))))
+        comm.barrier()
+        joint = _attempt(a.reset)
+        again = _attempt(a.reset)  # repeated: harmless
+        b.reset(timeout_s=5.0)
+        out.append({
+            "history": [(k, sorted(r)) for k, r in history], "lone": lone, "joint": joint,
+            "again": again, "correct": _correct(a),
+        })  # fmt: skip
+    a.close()
+    b.close()
+    return {"runs": out}
+
+
+def sc_threads(comm: Comm) -> dict:
+    """Several instances of a process, on one group and on their own groups, called from one
+    thread in one order on every rank: correct. Two threads inside calls at once (instances
+    on one group or on two) is refused at once on the second, saying what works: over
+    torch.distributed every instance's rounds go through the process's one store connection,
+    so overlapping calls would wait on one another across ranks until their timeouts."""
+    rank, w = comm.rank, comm.world_size
+    group = dist.new_group(list(range(w)), backend="gloo")
+    a = cpindex.IndexCP(_cfg(), device="cpu", comm=comm)
+    b = cpindex.IndexCP(_cfg(), device="cpu", comm=comm)
+    c = cpindex.IndexCP(_cfg(), group=group, device="cpu")
+    one_thread = all(_correct(x) for x in (a, b, c, c, a, b, a))
+    refused = []
+    for other in (b, c):  # on a's group, and on another group
+        comm.barrier()
+        if rank == 0:  # thread A waits inside a call on a for the others (late by 0.5 s)
+            t = threading.Thread(target=lambda: _correct(a))
+            t.start()
+            while not a._runner.others.locked():
+                time.sleep(0.001)
+            refused.append(_attempt(lambda o=other: _correct(o)))
+            t.join()
+        else:
+            time.sleep(0.5)
+            _correct(a)
+    res = {"one_thread": one_thread, "refused": refused, "after": _correct(b) and _correct(c)}
+    for x in (a, b, c):
+        x.close()
+    return res
+
+
+def sc_store_host_dies(comm: Comm, save: Callable[[], None]) -> dict:
+    """Last: rank 0, whose process serves the store, dies inside a call (after the header
+    round, in its all-to-all). The survivors raise PeerConnectionError naming it."""
+    cp = cpindex.IndexCP(_cfg(timeout_s=3.0), device="cpu", comm=comm)
+    rank, w = comm.rank, comm.world_size
+    if rank == 0:
+        save()
+
+        def die(*a: Any, **k: Any) -> None:
+            os._exit(0)
+
+        comm.all_to_all_into = die  # type: ignore[method-assign]
+    return _attempt(lambda: cp.score_push(**_args(rank, w, _prob())))
+
+
+SCENARIOS: dict[str, Callable[[Comm], dict]] = {
+    "tags": sc_tags,
+    "tables": sc_tables,
+    "replicas": sc_replicas,
+    "bad_tensor": sc_bad_tensor,
+    "resets": sc_resets,
+}
+GLOO_ONLY: dict[str, Callable[[Comm], dict]] = {"threads": sc_threads}
+THREAD_SCENARIOS = ["tags", "tables", "replicas", "bad_tensor"]
+
+
+def _run(comm: Comm, names: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in names:
+        try:
+            out[name] = {**SCENARIOS, **GLOO_ONLY}[name](comm)
+        except Exception:
+            out[name] = {"crash": traceback.format_exc()}
+            break  # the ranks may be out of step now
+    return out
+
+
+def gloo_rank(rank: int, world: int, path: str) -> None:
+    torch.set_num_threads(1)
+    comm = TorchComm()
+    res = _run(comm, [*SCENARIOS, *GLOO_ONLY])
+
+    def save() -> None:
+        torch.save(res, Path(path) / f"rank{rank}.pt")
+
+    try:
+        res["store_host_dies"] = sc_store_host_dies(comm, save)
+    except Exception:
+        res["store_host_dies"] = {"crash": traceback.format_exc()}
+    save()
+    os._exit(0)  # skip destroy_process_group: rank 0 is gone
+
+
+_WORLDS = Worlds(
+    "agreement",
+    gloo_rank,
+    lambda comm: _run(comm, THREAD_SCENARIOS),
+    gloo_timeout_s=200,
+    threads_timeout_s=60,
+)
+KINDS = [("gloo", 2), ("gloo", 4), ("threads", 2)]
+
+
+def _scenario(kind: str, world: int, name: str, tmp_path_factory) -> list[dict]:
+    per_rank = [
+        r.get(name, {"crash": "not reached"})
+        for r in _WORLDS.results(kind, world, tmp_path_factory)
+    ]
+    for rank, res in enumerate(per_rank):
+        assert "crash" not in res, f"rank {rank}:\n{res['crash']}"
+    return per_rank
+
+
+def _all_raise_at_once(results: list[dict], key: str, kind: str = "OutOfStepError") -> None:
+    for rank, r in enumerate(results):
+        e = r[key]
+        assert e["type"] == kind, (rank, e)
+        assert e["s"] < SLACK, (rank, e)
+
+
+# --------------------------------------------------------------------------- the checks
+
+
+@pytest.mark.parametrize(("kind", "world"), KINDS)
+def test_a_skipped_call_raises_naming_both_tags(kind, world, tmp_path_factory):
+    res = _scenario(kind, world, "tags", tmp_path_factory)
+    _all_raise_at_once(res, "second")
+    for rank, r in enumerate(res):
+        assert r["good"], rank
+        assert r["same"]["type"] is None, r["same"]
+        msg = r["second"]["msg"]
+        if rank == 1:
+            assert "tag 12 here, tag 11 on rank 0" in msg, msg
+        else:
+            assert "tag 11 here, tag 12 on rank 1" in msg, msg
+        assert r["third"]["type"] == "BrokenInstanceError"  # broken until reset
+        types = [(e["type"], e["msg"].split(":")[0]) for e in r["bad_tags"]]
+        assert types == [("ValueError", "tag")] * 2 + [("TypeError", "tag")] * 2, types
+        assert r["correct"]
+
+
+@pytest.mark.parametrize(("kind", "world"), KINDS)
+@pytest.mark.parametrize("change", ["flipped", "one_page"])
+def test_equal_shaped_tables_that_differ_raise_on_every_rank(kind, world, change, tmp_path_factory):
+    res = _scenario(kind, world, "tables", tmp_path_factory)
+    _all_raise_at_once(res, change)
+    for rank, r in enumerate(res):
+        msg = r[change]["msg"]
+        assert "block-table entries and lengths with fingerprint" in msg, msg
+        assert "different block tables or lengths" in msg, msg
+        assert r[change + "_after"]["type"] == "BrokenInstanceError"
+        assert r["padding_ok"] and r["correct"], rank
+
+
+@pytest.mark.parametrize(("kind", "world"), KINDS)
+def test_fingerprint_off_compares_no_tables(kind, world, tmp_path_factory):
+    for r in _scenario(kind, world, "tables", tmp_path_factory):
+        assert r["unchecked"]["type"] is None, r["unchecked"]
+
+
+@pytest.mark.parametrize(("kind", "world"), KINDS)
+def test_replicas_with_different_queries_raise_on_every_rank(kind, world, tmp_path_factory):
+    res = _scenario(kind, world, "replicas", tmp_path_factory)
+    _all_raise_at_once(res, "call")
+    heads, last = world // 2, world - 1
+    for r in res:
+        msg = r["call"]["msg"]
+        head = last % heads
+        assert f"ranks {head} and {last} both own head {head} but passed different iq" in msg
+        assert r["correct"]
+
+
+@pytest.mark.parametrize(("kind", "world"), KINDS)
+def test_a_bad_tensor_on_one_rank_is_a_refusal_every_peer_hears_at_once(
+    kind, world, tmp_path_factory
+):
+    res = _scenario(kind, world, "bad_tensor", tmp_path_factory)
+    for key, error in [("nested", "TypeError: iq"), ("plan", "ValueError: width")]:
+        for rank, r in enumerate(res):
+            e = r[key]
+            if rank == 1:
+                assert e["type"] == error.split(":")[0], e
+                assert e["msg"].startswith(error.split(": ")[1]), e
+            else:
+                assert e["type"] == "OutOfStepError", (rank, e)
+                assert f"refused by rank 1: {error}" in e["msg"], e
+            assert e["s"] < SLACK, (rank, key, e)
+    for r in res:
+        assert r["correct"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_reset_recovers_after_any_lone_resets(world, tmp_path_factory):
+    res = _scenario("gloo", world, "resets", tmp_path_factory)
+    runs = list(zip(*(r["runs"] for r in res), strict=True))
+    assert len(runs) == len(_sequences(world)) + (4 if world == 4 else 3)
+    for per_rank in runs:
+        history = per_rank[0]["history"]
+        for rank, run in enumerate(per_rank):
+            for lone in run["lone"]:  # alone: a timeout naming a rank that did not come
+                assert lone["type"] == "PeerTimeoutError", (history, rank, lone)
+            assert run["joint"]["type"] is None, (history, rank, run["joint"])
+            assert run["joint"]["s"] < SLACK, (history, rank, run["joint"])
+            assert run["again"]["type"] is None, (history, rank, run["again"])
+            assert run["correct"], (history, rank)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_instances_are_called_from_one_thread(world, tmp_path_factory):
+    res = _scenario("gloo", world, "threads", tmp_path_factory)
+    for rank, r in enumerate(res):
+        assert r["one_thread"] and r["after"], rank
+    for refused in res[0]["refused"]:
+        assert refused["type"] == "CPIndexError", refused
+        assert (
+            "another IndexCP of this process is inside a call on another thread" in (refused["msg"])
+        )
+        assert "call every IndexCP of a process from one thread" in refused["msg"]
+        assert refused["s"] < SLACK
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_store_host_dying_mid_call_is_a_lost_connection(world, tmp_path_factory):
+    res = _WORLDS.results("gloo", world, tmp_path_factory)
+    for rank in range(1, world):
+        e = res[rank]["store_host_dies"]
+        assert "crash" not in e, e
+        assert e["type"] == "PeerConnectionError" and e["cpindex"], (rank, e)
+        assert "rank 0" in e["msg"] and e["peer"] == 0, (rank, e)
+        assert e["s"] < 3.0 + SLACK, (rank, e)

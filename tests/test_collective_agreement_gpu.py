@@ -1,0 +1,156 @@
+"""The ``collective`` transport's agreement on the device (docs/design.md, "Ranks in step"):
+the plan's fingerprint and replicated heads' query hashes travel with the gathered queries and
+are compared on the GPU, with no host sync. Ranks that disagree get NaN outputs (ids -1) and an
+``OutOfStepError`` from ``check()`` or the next call on every rank (at once with
+``error_check="sync"``); ranks that agree (padding may differ) get the reference. One-process
+world on one GPU. Skipped without a GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from _gpu import assert_scores, expected, for_rank, needs_gpu
+
+from cpindex import BrokenInstanceError, CPIndexConfig, IndexCP, testing
+from cpindex.comm import Comm
+from cpindex.world import run_threads
+
+pytestmark = [needs_gpu, pytest.mark.gpu]
+DEV = "cuda:0"
+
+
+def _prob(heads: int = 4) -> testing.Problem:
+    return testing.make_problem(3, 12 * 128, "fp8", num_heads=heads, seed=50, device=DEV)
+
+
+def _cfg(heads: int = 4, **kw: Any) -> CPIndexConfig:
+    base = dict(
+        transport="collective", cache_format="fp8", num_heads=heads, max_rows=8, max_width=32,
+        timeout_s=10.0,
+    )  # fmt: skip
+    return CPIndexConfig(**{**base, **kw})
+
+
+def _flipped(table: torch.Tensor) -> torch.Tensor:
+    t = table.clone()
+    t[0, [0, 1]] = table[0, [1, 0]]  # row 0 is the longest request: both entries are read
+    return t
+
+
+def _outcome(fn) -> str | None:
+    try:
+        fn()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _disagree(comm: Comm, *, heads: int, error_check: str, what: str, op: str) -> dict:
+    rank, w = comm.rank, comm.world_size
+    p = _prob(heads)
+    with IndexCP(_cfg(heads, error_check=error_check), device=DEV, comm=comm) as cp:
+        iq = p.rank_queries(rank, w)
+        table = p.block_table
+        if rank == w - 1:
+            if what == "table":
+                table = _flipped(p.block_table)
+            else:  # the last rank shares its head with another and passes other queries
+                iq = (iq.float() * 0.5).to(torch.float8_e4m3fn)
+        plan = cp.plan(table, p.seq_lens)
+        res: dict[str, Any] = {}
+        if error_check == "sync":
+            res["call"] = _outcome(lambda: cp.score_push(iq, p.index_cache, plan, tag=1))
+        else:
+            if op == "score_push":
+                out = cp.score_push(iq, p.index_cache, plan, tag=1)
+                torch.cuda.current_stream().synchronize()
+                res["poisoned"] = bool(out.isnan().all())
+            else:
+                ids, scores = cp.select_blocks(iq, p.index_cache, plan, tag=1, return_scores=True)
+                torch.cuda.current_stream().synchronize()
+                res["poisoned"] = bool(scores.isnan().all()) and bool((ids == -1).all())
+            res["call"] = _outcome(cp.check)
+            res["next"] = _outcome(lambda: cp.score_push(iq, p.index_cache, plan, tag=2))
+        cp.reset()
+        good = cp.score_push(p.rank_queries(rank, w), p.index_cache, p.block_table, p.seq_lens)
+        torch.cuda.current_stream().synchronize()
+        res["good"] = good.cpu()
+    return res
+
+
+@pytest.mark.parametrize(
+    ("error_check", "op"),
+    [("next_call", "score_push"), ("next_call", "select_blocks"), ("sync", "score_push")],
+)
+@pytest.mark.parametrize(("what", "world", "heads"), [("table", 2, 4), ("queries", 4, 2)])
+def test_disagreement_poisons_and_raises_on_every_rank(error_check, op, what, world, heads):
+    results = run_threads(
+        world,
+        lambda comm: _disagree(comm, heads=heads, error_check=error_check, what=what, op=op),
+        device=DEV,
+    )
+    want = expected(_prob(heads), 0, 1).cpu()
+    for rank, r in enumerate(results):
+        assert r["call"] is not None and r["call"].startswith("OutOfStepError"), (rank, r)
+        if what == "table":
+            assert "other block-table entries or lengths" in r["call"], r["call"]
+        else:
+            assert "both own head 1 but passed different iq" in r["call"], r["call"]
+        if error_check == "next_call":
+            assert r["poisoned"], rank
+            assert r["next"].startswith(BrokenInstanceError.__name__), r["next"]
+        assert_scores(r["good"], for_rank(want, rank, world))
+
+
+def _agree(comm: Comm, fingerprint: bool) -> dict:
+    """Padding (entries no call reads) differs per rank: no disagreement."""
+    rank, w = comm.rank, comm.world_size
+    p = _prob()
+    table = p.block_table.clone()
+    n = (p.seq_lens.long() + 127) // 128
+    cols = torch.arange(table.shape[1], device=DEV)
+    table[cols >= (n - 1).unsqueeze(1)] = 7000 + rank  # local blocks and padding
+    with IndexCP(_cfg(fingerprint=fingerprint), device=DEV, comm=comm) as cp:
+        plan = cp.plan(table, p.seq_lens)
+        outs = []
+        for layer in range(3):
+            outs.append(cp.score_push(p.rank_queries(rank, w), p.index_cache, plan, tag=layer))
+            torch.cuda.current_stream().synchronize()
+            outs[-1] = outs[-1].cpu()
+        cp.check()
+    return {"outs": outs}
+
+
+@pytest.mark.parametrize("fingerprint", [True, False])
+def test_agreeing_ranks_get_the_reference(fingerprint):
+    results = run_threads(2, lambda comm: _agree(comm, fingerprint), device=DEV)
+    want = expected(_prob(), 0, 1).cpu()
+    for rank, r in enumerate(results):
+        for out in r["outs"]:
+            assert_scores(out, for_rank(want, rank, 2))
+
+
+def test_fingerprint_is_computed_on_the_device_without_a_sync():
+    """The plan's fingerprint equals the CPU one for the same contents, and making a plan
+    inside a graph capture records its computation (replays recompute it)."""
+    from cpindex import fingerprint as fp
+
+    p = _prob()
+    cpu = torch.zeros(1, dtype=torch.int64)
+    fp.plan_fingerprint(p.block_table.cpu(), p.seq_lens.cpu(), 0, 1, cpu)
+    dev = torch.zeros(1, dtype=torch.int64, device=DEV)
+    table = p.block_table.clone()
+    fp.plan_fingerprint(table, p.seq_lens, 0, 1, dev)
+    torch.cuda.synchronize()
+    assert int(dev.cpu()[0]) == int(cpu[0])
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
+        fp.plan_fingerprint(table, p.seq_lens, 0, 1, dev)
+    table[0, 0] += 1
+    graph.replay()
+    torch.cuda.synchronize()
+    assert int(dev.cpu()[0]) != int(cpu[0])
