@@ -59,7 +59,8 @@ class Transport(ABC):
     #: per call would cost their latency and cannot sit inside a graph capture.
     host_lockstep: ClassVar[bool] = False
     #: Whether calls compare the plan's agreement fingerprint (``call.plan.fingerprint``) across
-    #: ranks; ``IndexCP`` computes it only then (and when ``config.fingerprint`` is on).
+    #: ranks; ``IndexCP`` computes it only then (and when ``config.fingerprint`` is on). ``ipc``
+    #: and ``mori`` leave it False: their kernel hashes what each call reads itself.
     compares_fingerprint: ClassVar[bool] = False
 
     @classmethod
