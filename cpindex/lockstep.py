@@ -126,6 +126,17 @@ def _describe(field: str, value: Any) -> str:
     return f"{field}={value}"
 
 
+#: Content hashes: a rank whose tensors live on a GPU sends none (its device compares them),
+#: so a missing one is not a difference.
+_HASHED = frozenset({"seq_lens", "fingerprint"})
+
+
+def _differ(field: str, mine: Any, theirs: Any) -> bool:
+    if field in _HASHED and (mine is None or theirs is None):
+        return False
+    return mine != theirs
+
+
 def _replica_mismatch(headers: list[dict[str, Any]]) -> tuple[int, int, int] | None:
     """The first ``(head, rank a, rank b)`` whose ranks own one head but hold different
     queries, or None."""
@@ -168,7 +179,7 @@ def agree_call(
             call=call_no,
         )
     for peer, theirs in enumerate(headers):
-        diff = [f for f in HEADER_FIELDS if theirs.get(f) != header.get(f)]
+        diff = [f for f in HEADER_FIELDS if _differ(f, header.get(f), theirs.get(f))]
         if not diff:
             continue
         f = diff[0]

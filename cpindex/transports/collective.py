@@ -28,7 +28,7 @@ import torch
 
 from .. import fingerprint, formats, kernels, lockstep, partition, reference, selection
 from ..comm import CollectiveFailed, CollectiveTimeout
-from ..errors import OutOfStepError, PeerTimeoutError
+from ..errors import OutOfStepError, PeerTimeoutError, TransportUnavailable
 from ..kernels.launcher import ErrorMonitor, KernelScorer
 from ..validation import Call
 from .base import Context, Transport, register
@@ -87,20 +87,33 @@ class CollectiveTransport(Transport):
         self.scorer = None
         self.monitor = None
         self._bad: torch.Tensor | None = None  # this call's device-side disagreement flag
-        if dev.type == "cuda":
-            self.monitor = ErrorMonitor(dev, ctx.rank)
-            if self.agree_on_device:
-                self._init_device_agreement()
-            self.scorer = KernelScorer(
-                dev,
-                self.fmt,
-                num_heads=cfg.num_heads,
-                rank=ctx.rank,
-                world=w,
-                sm_scale=cfg.sm_scale,
-                monitor=self.monitor,
-                ranks_per_device=ctx.ranks_per_device,
+        error = None
+        try:
+            if dev.type == "cuda":
+                self.monitor = ErrorMonitor(dev, ctx.rank)
+                if self.agree_on_device:
+                    self._init_device_agreement()
+                self.scorer = KernelScorer(
+                    dev,
+                    self.fmt,
+                    num_heads=cfg.num_heads,
+                    rank=ctx.rank,
+                    world=w,
+                    sm_scale=cfg.sm_scale,
+                    monitor=self.monitor,
+                    ranks_per_device=ctx.ranks_per_device,
+                )
+        except Exception as e:  # every rank learns it below: none is left waiting
+            error = f"{type(e).__name__}: {e}"
+        # One outcome for all ranks, and one layout of the gathered slots (collective).
+        reports = ctx.comm.all_gather_object((error, self.agree_on_device))
+        failed = [(r, why) for r, (why, _) in enumerate(reports) if why]
+        if failed:
+            raise TransportUnavailable(
+                "collective: " + "; ".join(f"rank {r}: {why}" for r, why in failed)
             )
+        if not all(agree for _, agree in reports):
+            self.agree_on_device = False
 
     @property
     def capturable(self) -> bool:
