@@ -115,8 +115,8 @@ def test_ranks_reading_other_tables_raise_and_return_nan(what):
     def job(comm):
         bt, lens = prob.block_table.clone(), prob.seq_lens.clone()
         if comm.rank == 1:
-            if what == "page":
-                bt[1, 2] = (bt[1, 2] + 1) % prob.index_cache.shape[0]
+            if what == "page":  # request 0 is the longest (12 blocks): block 2 is read
+                bt[0, 2] = (bt[0, 2] + 1) % prob.index_cache.shape[0]
             elif what == "length":
                 lens[0] -= 1
             else:
@@ -178,7 +178,7 @@ def test_agreement_can_be_turned_off():
     def job(comm):
         bt = prob.block_table.clone()
         if comm.rank == 1:
-            bt[1, 2] = (bt[1, 2] + 1) % prob.index_cache.shape[0]
+            bt[0, 2] = (bt[0, 2] + 1) % prob.index_cache.shape[0]
         torch.cuda.synchronize()
         with IndexCP(_cfg(fingerprint=False), device=DEV, comm=comm) as cp:
             return _call(cp, comm, prob, block_table=bt)
@@ -193,7 +193,7 @@ def test_select_blocks_disagreement_poisons_ids_and_scores():
     def job(comm):
         bt = prob.block_table.clone()
         if comm.rank == 1:
-            bt[2, 1] = (bt[2, 1] + 1) % prob.index_cache.shape[0]
+            bt[0, 3] = (bt[0, 3] + 1) % prob.index_cache.shape[0]
         torch.cuda.synchronize()
         with IndexCP(_cfg(), device=DEV, comm=comm) as cp:
             ids = torch.empty(cp.heads_per_rank, prob.rows, 4, dtype=torch.int32, device=DEV)

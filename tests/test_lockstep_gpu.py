@@ -247,13 +247,15 @@ def test_reset_is_bounded_and_names_who_did_not_come():
             if comm.rank == 1:
                 time.sleep(1.5 * TIMEOUT)  # misses rank 0's first reset, joins its second
             first = _try(cp.reset)
-            second = _try(cp.reset)
+            # rank 0 resets again; rank 1's one late reset walks past the round rank 0 gave up
+            # on and meets rank 0's second
+            second = _try(cp.reset) if comm.rank == 0 else {"type": None}
             return first, second, _good(cp, comm)
 
     (f0, s0, out0), (f1, s1, out1) = _world(job)
     assert f0["type"] == PeerTimeoutError.__name__ and f0["peer"] == 1, f0
     assert f0["s"] < TIMEOUT + 1.5
-    assert f1["type"] == PeerTimeoutError.__name__  # came after rank 0 gave up: told at once
+    assert f1["type"] is None, f1
     assert s0["type"] is None and s1["type"] is None, (s0, s1)
     assert_scores(out0, _want(0))
     assert_scores(out1, _want(1))

@@ -9,7 +9,7 @@ process killed with SIGKILL mid-call. The GPU time-slices between the processes,
 costs tens of ms of handoffs; each world runs once for all its tests (W = 2, then W = 4).
 
 Run: ``PYTHONPATH=$PWD python -m pytest -q -s tests/test_process_world_gpu.py`` (set
-``CPINDEX_RESULTS_DIR`` to keep the measurements as ``process_world.json`` there).
+``PROCESS_WORLD_RESULTS`` to keep the measurements as ``process_world.json`` there).
 """
 
 from __future__ import annotations
@@ -51,10 +51,10 @@ RECORD: dict[str, dict[str, Any]] = {}
 
 
 def _record(world: int, key: str, value: Any) -> None:
-    """Print a measurement and keep it in ``$CPINDEX_RESULTS_DIR/process_world.json``."""
+    """Print a measurement and keep it in ``$PROCESS_WORLD_RESULTS/process_world.json``."""
     RECORD.setdefault(f"W{world}", {})[key] = value
     print(f"\n[process world, W={world}] {key}: {json.dumps(value)}")
-    out = os.environ.get("CPINDEX_RESULTS_DIR")
+    out = os.environ.get("PROCESS_WORLD_RESULTS")
     if out:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "process_world.json"), "w") as f:
