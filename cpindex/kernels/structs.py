@@ -20,6 +20,8 @@ FORMAT_IDS = {"bf16": 0, "fp8": 1, "nvfp4": 2}
 NVFP4_NARROW = 3
 ERR_TIMEOUT_QUERIES, ERR_TIMEOUT_SCORES, ERR_BAD_PAGE, ERR_WIDTH, ERR_LENGTH = 1, 2, 3, 4, 5
 ERR_MISMATCH = 6
+#: write_keys: a slot past the cache (``peer``: the token index, ``detail``: the slot).
+ERR_SLOT = 7
 
 
 class ErrorWord(C.Structure):
