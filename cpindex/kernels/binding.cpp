@@ -81,6 +81,91 @@ void score(const torch::Tensor& q, const torch::Tensor& kv, const c10::optional<
               cudaGetErrorString(static_cast<cudaError_t>(rc)));
 }
 
+// The fused key writer (launch.h, WriteParams): keys [tokens, 128] float32/bfloat16/float16 with
+// contiguous rows, slots int64 [tokens], kv the bf16/fp8 cache [pages, 128, 128] or the nvfp4
+// values view [pages, 128, 64] with ks its scales view [pages, 128, 8] (uint8 or e4m3), format 0
+// bf16, 1 fp8, 2 nvfp4; err_ptr / err_host_ptr the device and host-mapped addresses of an
+// ErrorWord. Launches on the current stream: no sync, graph-capturable. The Python caller
+// (cpindex.formats.write_keys) validates for the user; these checks keep memory safe.
+void write_keys(const torch::Tensor& keys, const torch::Tensor& slots, const torch::Tensor& kv,
+                const c10::optional<torch::Tensor>& ks, int64_t format, int64_t err_ptr,
+                int64_t err_host_ptr) {
+  TORCH_CHECK(keys.is_cuda() && keys.dim() == 2 && keys.size(1) == cpindex::kHeadDim &&
+                  keys.stride(1) == 1,
+              "write_keys: keys must be a [tokens, 128] GPU tensor with contiguous rows, got ",
+              keys.sizes(), " with strides ", keys.strides(), " on ", keys.device());
+  int key_dtype = -1;
+  switch (keys.scalar_type()) {
+    case at::kFloat: key_dtype = 0; break;
+    case at::kBFloat16: key_dtype = 1; break;
+    case at::kHalf: key_dtype = 2; break;
+    default: break;
+  }
+  TORCH_CHECK(key_dtype >= 0, "write_keys: keys must be float32, bfloat16 or float16, got ",
+              keys.scalar_type());
+  TORCH_CHECK(slots.device() == keys.device() && slots.scalar_type() == at::kLong &&
+                  slots.dim() == 1 && slots.size(0) == keys.size(0) && slots.is_contiguous(),
+              "write_keys: slots must be a contiguous int64 [", keys.size(0), "] tensor on ",
+              keys.device(), ", got ", slots.scalar_type(), " ", slots.sizes(), " on ",
+              slots.device());
+  TORCH_CHECK(format == cpindex::kBF16 || format == cpindex::kFP8 || format == cpindex::kNVFP4,
+              "write_keys: format must be 0 (bf16), 1 (fp8) or 2 (nvfp4), got ", format);
+  const bool fp4 = format == cpindex::kNVFP4;
+  const auto byte_dtype = [](const torch::Tensor& t) {
+    return t.scalar_type() == at::kByte || t.scalar_type() == at::kFloat8_e4m3fn;
+  };
+  const bool kv_dtype_ok = format == cpindex::kBF16 ? kv.scalar_type() == at::kBFloat16
+                           : fp4                    ? kv.scalar_type() == at::kByte
+                                                    : byte_dtype(kv);
+  TORCH_CHECK(kv.device() == keys.device() && kv_dtype_ok && kv.dim() == 3 &&
+                  kv.size(1) == cpindex::kPageTokens && kv.size(2) == (fp4 ? 64 : 128) &&
+                  kv.stride(2) == 1,
+              "write_keys: kv must be ",
+              format == cpindex::kBF16 ? "a bfloat16 [pages, 128, 128] cache"
+              : fp4                    ? "the nvfp4 values view, uint8 [pages, 128, 64]"
+                                       : "a float8_e4m3fn or uint8 [pages, 128, 128] cache",
+              " on ", keys.device(), " with contiguous rows, got ", kv.scalar_type(), " ",
+              kv.sizes(), " with strides ", kv.strides(), " on ", kv.device());
+  if (fp4) {
+    TORCH_CHECK(ks.has_value() && ks->device() == keys.device() && byte_dtype(*ks) &&
+                    ks->dim() == 3 && ks->size(0) == kv.size(0) &&
+                    ks->size(1) == cpindex::kPageTokens && ks->size(2) == 8 && ks->stride(2) == 1,
+                "write_keys: nvfp4 needs ks, the scales view uint8 or float8_e4m3fn [",
+                kv.size(0), ", 128, 8] on ", keys.device(), " with contiguous rows");
+  } else {
+    TORCH_CHECK(!ks.has_value(), "write_keys: ks is for nvfp4 only (format ", format, ")");
+  }
+  TORCH_CHECK(err_ptr != 0, "write_keys: err_ptr must be an ErrorWord's device address");
+  if (keys.size(0) == 0) return;
+
+  cpindex::WriteParams w{};
+  w.keys = static_cast<const uint8_t*>(keys.data_ptr());
+  w.key_row_stride = keys.stride(0) * keys.element_size();
+  w.key_dtype = key_dtype;
+  w.format = (int)format;
+  w.slots = slots.data_ptr<int64_t>();
+  w.tokens = keys.size(0);
+  w.kv = static_cast<uint8_t*>(kv.data_ptr());
+  w.kv_page_stride = kv.stride(0) * kv.element_size();
+  w.kv_token_stride = kv.stride(1) * kv.element_size();
+  w.num_pages = kv.size(0);
+  if (fp4) {
+    w.ks = static_cast<uint8_t*>(ks->data_ptr());
+    w.ks_page_stride = ks->stride(0);
+    w.ks_token_stride = ks->stride(1);
+  }
+  w.err = reinterpret_cast<cpindex::ErrorWord*>(err_ptr);
+  w.err_host = reinterpret_cast<cpindex::ErrorWord*>(err_host_ptr);
+  w.rank = 0;  // the writer is not part of a collective call
+
+  const c10::cuda::CUDAGuard guard(keys.device());
+  void* stream = at::cuda::getCurrentCUDAStream().stream();
+  py::gil_scoped_release no_gil;  // as in score: a blocked launch must not stall other ranks
+  const int rc = cpindex::launch_write_keys(w, stream);
+  TORCH_CHECK(rc == 0, "cpindex write_keys kernel launch failed: ",
+              cudaGetErrorString(static_cast<cudaError_t>(rc)));
+}
+
 int64_t occupancy(int64_t format, int64_t vectors, bool wgmma, int64_t split) {
   int ctas = 0;
   CP_CHECK_RT(static_cast<cudaError_t>(
@@ -204,6 +289,7 @@ void stream_destroy(int64_t s) { CP_CHECK_RT(cudaStreamDestroy(reinterpret_cast<
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "cpindex fused block-scoring kernel (see cpindex/kernels/launch.h)";
   m.def("score", &score);
+  m.def("write_keys", &write_keys);
   m.def("occupancy", &occupancy);
   m.def("has_wgmma", &has_wgmma);
   m.def("split_warps", &split_warps);

@@ -218,6 +218,16 @@ CP_DEVICE float cp_f16_hi(uint32_t w) {
 CP_DEVICE float cp_bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
 CP_DEVICE float cp_bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
 
+// a / b correctly rounded (to nearest even) whatever the build's division flags. HIP-clang's
+// float division is correctly rounded by default.
+CP_DEVICE float cp_fdiv_rn(float a, float b) {
+#if defined(CP_HIP)
+  return a / b;
+#else
+  return __fdiv_rn(a, b);
+#endif
+}
+
 // Elementwise product of two f16x2 words (exact for the fp4 x fp8-scale products we form).
 CP_DEVICE uint32_t cp_hmul2(uint32_t a, uint32_t b) {
 #if defined(CP_HIP)

@@ -28,7 +28,7 @@ enum ErrorCode : uint32_t {
   kErrWidth = 4,           // a row needs more blocks than width or block_table provides
   kErrLength = 5,          // a request's seq_len is shorter than its query_len
   kErrMismatch = 6,        // a peer's call is not this call (shape, forcing or configuration)
-  kErrSlot = 7,            // write_keys: a slot past the cache (the key was not written)
+  kErrSlot = 7,            // write_keys: a slot past the cache (peer: the token, detail: the slot)
   kErrTag = 8,             // a peer's call carries another tag
   kErrAgreement = 9,       // a peer read other block-table entries or lengths (outputs poisoned)
   kErrReplica = 10,        // a replica of a head delivered other queries (outputs poisoned)
@@ -38,7 +38,7 @@ enum ErrorCode : uint32_t {
 struct ErrorWord {
   uint32_t code;
   uint32_t rank;  // who noticed
-  uint32_t peer;  // who was late (or the row, for kErrBadPage)
+  uint32_t peer;  // who was late (or the row, for kErrBadPage; the token, for kErrSlot)
   uint32_t claim; // first writer wins
   uint64_t call;  // the call count that failed (1-based)
   uint64_t detail;
@@ -122,6 +122,37 @@ struct ScoreParams {
   ErrorWord* err;       // device memory: checked by every CTA at start
   ErrorWord* err_host;  // host-mapped mirror the host polls without a sync (may be null)
 };
+
+// The key writer's arguments: `tokens` keys, row i at keys + i * key_row_stride bytes (128
+// contiguous values of key_dtype: 0 fp32, 1 bf16, 2 fp16), written at slots[i] = page * 128 +
+// token (slot < 0: skipped; slot >= num_pages * 128: skipped and reported, kErrSlot) into the
+// cache of `format` (kBF16, kFP8, kNVFP4): token t of page p at kv + p * kv_page_stride + t *
+// kv_token_stride (nvfp4 values; their scales at ks + p * ks_page_stride + t * ks_token_stride).
+struct WriteParams {
+  const uint8_t* keys;
+  int64_t key_row_stride;
+  int key_dtype;
+  int format;
+  const int64_t* slots;
+  int64_t tokens;
+  uint8_t* kv;
+  uint8_t* ks;
+  int64_t kv_page_stride;
+  int64_t kv_token_stride;
+  int64_t ks_page_stride;
+  int64_t ks_token_stride;
+  int64_t num_pages;
+  ErrorWord* err;       // device memory
+  ErrorWord* err_host;  // host-mapped mirror (may be null)
+  int rank;             // reported as the rank that noticed (the binding writes 0)
+};
+
+// Quantizes and writes the keys on `stream` (no sync; graph-capturable). nvfp4: per 16 values,
+// scale = max(e4m3_rn_satfinite(max(amax, 1e-12) / 6), 2^-9), codes the e2m1 of value / scale
+// (ties to even, beyond 6 saturating, never -0), value 2i in the low nibble; fp8: e4m3 of the
+// value clamped to +-448, ties to even; bf16: rounded to nearest even. All in fp32 with correctly
+// rounded divisions. Returns 0 or a cudaError_t/hipError_t value (-1: bad format or key dtype).
+int launch_write_keys(const WriteParams& w, void* stream);
 
 // Launches one scoring call. push == nullptr: local mode (scores into dst, no handshake).
 // Otherwise push mode: deliver queries and the call identity, wait for peers' (and compare

@@ -19,7 +19,8 @@
 //
 // The parts, in the order they build on each other: config.h (shared constants),
 // keys.h (formats), dot.h (tile dot products), waits.h (error word, bounded waits), page.h
-// (one page), select.h (select_blocks' selection); this file holds the kernel and its launcher.
+// (one page), select.h (select_blocks' selection), write.h (the key writer, its own kernel); this
+// file holds the scoring kernel and its launcher.
 #include "config.h"
 #include "keys.h"
 #include "dot.h"
@@ -27,6 +28,7 @@
 #include "agree.h"
 #include "page.h"
 #include "select.h"
+#include "write.h"
 
 namespace cpindex {
 namespace {

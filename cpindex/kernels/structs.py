@@ -20,7 +20,9 @@ FORMAT_IDS = {"bf16": 0, "fp8": 1, "nvfp4": 2}
 NVFP4_NARROW = 3
 ERR_TIMEOUT_QUERIES, ERR_TIMEOUT_SCORES, ERR_BAD_PAGE, ERR_WIDTH, ERR_LENGTH = 1, 2, 3, 4, 5
 ERR_MISMATCH = 6
-ERR_SLOT, ERR_TAG, ERR_AGREEMENT, ERR_REPLICA = 7, 8, 9, 10
+#: write_keys: a slot past the cache (``peer``: the token index, ``detail``: the slot).
+ERR_SLOT = 7
+ERR_TAG, ERR_AGREEMENT, ERR_REPLICA = 8, 9, 10
 #: The tag word of a call made without a tag (tags are 0 <= tag < 2**63).
 NO_TAG = (1 << 64) - 1
 

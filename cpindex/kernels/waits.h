@@ -6,8 +6,12 @@
 namespace cpindex {
 namespace {
 
-CP_DEVICE void report(const ScoreParams& p, uint32_t code, uint32_t peer, uint64_t call,
-                      uint64_t detail, uint64_t mine = 0) {
+// Records an error in the device word p.err and its host-mapped mirror p.err_host (may be null):
+// the fields first, the code last, so a reader that sees the code sees the rest. P: ScoreParams
+// or WriteParams.
+template <typename P>
+CP_DEVICE void report(const P& p, uint32_t code, uint32_t peer, uint64_t call, uint64_t detail,
+                      uint64_t mine = 0) {
   if (atomicCAS(&p.err->claim, 0u, 1u) != 0u) return;  // first error wins
   ErrorWord* words[2] = {p.err, p.err_host};
   for (ErrorWord* e : words) {
