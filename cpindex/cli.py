@@ -13,10 +13,25 @@ DESCRIPTION = (
     "machine's GPUs and what transport 'auto' would pick."
 )
 BENCH_EXTRA = "pip install cpindex[bench]"
+GPU_TRANSPORTS = ("ipc", "mori")  # the transports that need GPUs
 TRANSPORTS = ["auto", "ipc", "mori", "collective"]
 FORMATS = ["bf16", "fp8", "nvfp4"]
 # cpindex.testing.NVFP4_FORMS but page_major (plain nvfp4), spelled out: no torch import here
 NVFP4_FORMS = [f"nvfp4-{f}" for f in ("page_major_3d", "pool", "pair", "interleaved")]
+
+
+class UsageError(ValueError):
+    """An argument this run cannot use, found before any rank starts: printed as one line,
+    exit status 2."""
+
+
+def first_error(e: ValueError) -> str:
+    """The first message of ``e`` on one line (pydantic's ValidationError: its first error)."""
+    errors = getattr(e, "errors", None)
+    if callable(errors):
+        return str(errors()[0]["msg"]).removeprefix("Value error, ")
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -77,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_Formatter,
         epilog="Run 'cpindex COMMAND --help' for a command's options.",
     )
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     d = sub.add_parser(
@@ -109,8 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--transports",
         type=_names(TRANSPORTS),
         metavar="LIST",
-        default="collective,ipc",
-        help="comma list of transports to compare (on a CPU machine only collective runs)",
+        default=None,
+        help="comma list of transports to compare; ipc and mori need GPUs (default: "
+        "collective,ipc on a GPU machine, collective on a CPU machine)",
     )
     b.add_argument(
         "--world",
@@ -210,19 +229,38 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.cmd == "demo":
-        from .demo import DemoArgs, run
+    from .errors import CPIndexError
+    from .spawn import RanksFailed
 
-        run(DemoArgs(args.world, args.rows, args.context, args.fmt, args.transport, args.seed))
-    elif args.cmd == "bench":
-        from .bench.runner import main as bench_main
+    try:
+        if args.cmd == "demo":
+            from . import demo
 
-        bench_main(args)
-    else:
+            demo_args = demo.DemoArgs(
+                args.world, args.rows, args.context, args.fmt, args.transport, args.seed
+            )
+            demo.check(demo_args)
+            return 0 if demo.report(demo.run(demo_args), demo_args) else 1
+        if args.cmd == "bench":
+            from .bench.runner import main as bench_main
+
+            bench_main(args)
+            return 0
         from .info import main as info_main
 
         info_main()
-    return 0
+        return 0
+    except UsageError as e:
+        print(f"cpindex {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    except RanksFailed as e:
+        if not e.primary.expected:
+            raise  # a bug: its traceback (the rank's, attached) is the report
+        print(f"cpindex {args.cmd}: error: {e}", file=sys.stderr)
+        return 1
+    except (ValueError, TypeError, CPIndexError) as e:  # a refusal in the one-process world
+        print(f"cpindex {args.cmd}: error: {type(e).__name__}: {first_error(e)}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -90,6 +90,22 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).view(-1)
 
 
+def _first_line(e: BaseException) -> str:
+    # torch's errors can carry a C++ stack trace after the first line
+    first = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {first[0] if first else ''}"
+
+
+def _store_failed(what: str, e: BaseException) -> CollectiveFailed:
+    """A store request failed: its host (the process that created the group's store, global
+    rank 0's with ``init_process_group``'s default rendezvous) is gone or unreachable."""
+    return CollectiveFailed(
+        what,
+        "the group's key-value store is unreachable; its host (global rank 0's process, "
+        f"unless a launcher hosts the store) may be gone ({_first_line(e)})",
+    )
+
+
 #: Per process group (by name): round counters and tensor-collective arrivals, shared by every
 #: TorchComm on the group, so two instances on one group count alike and name late ranks.
 _GROUP_STATE: dict[str, dict[str, int]] = {}
@@ -161,8 +177,8 @@ class TorchComm:
                 values = st.multi_get([f"{k}/{r}" for r in range(w)])
                 return [v.decode() for v in values]
             late = [r for r in range(w) if not st.check([f"{k}/{r}"])]
-        except dist.DistError as e:
-            raise CollectiveFailed(what, f"{type(e).__name__}: {e}") from None
+        except RuntimeError as e:  # torch's DistNetworkError/DistStoreError and kin
+            raise _store_failed(what, e) from None
         if waited_out:
             raise CollectiveTimeout(what, late)
         raise CollectiveTimeout(
@@ -184,7 +200,7 @@ class TorchComm:
             if self.rank == 0:
                 st.delete_key(f"{k}/n")
                 st.delete_key(f"{k}/o")
-        except dist.DistError:
+        except RuntimeError:
             pass  # a failing store shows up in the next round, with its error
 
     def _bounded(self, what: str, start: Callable[[], Any], timeout_s: float | None) -> None:
@@ -193,18 +209,25 @@ class TorchComm:
             return
         self._state["arrivals"] += 1
         mine = self._state["arrivals"]
-        if self._store is not None:
-            self._store.add(f"arrivals/{self.rank}", 1)
+        st = self._store
+        if st is not None:
+            try:
+                st.add(f"arrivals/{self.rank}", 1)
+            except RuntimeError as e:
+                raise _store_failed(what, e) from None
         work = start()
         t0 = time.monotonic()
         try:
             work.wait(timedelta(seconds=timeout_s))
         except RuntimeError as e:
             if time.monotonic() - t0 < 0.9 * timeout_s:  # not a timeout: a lost connection
-                raise CollectiveFailed(what, str(e)) from None
+                raise CollectiveFailed(what, _first_line(e)) from None
             late = []
-            if self._store is not None:
-                counts = [self._store.add(f"arrivals/{r}", 0) for r in range(self.world_size)]
+            if st is not None:
+                try:
+                    counts = [st.add(f"arrivals/{r}", 0) for r in range(self.world_size)]
+                except RuntimeError as e2:
+                    raise _store_failed(what, e2) from None
                 late = [r for r, c in enumerate(counts) if c < mine]
             raise CollectiveTimeout(what, late) from None
 

@@ -7,9 +7,11 @@ the exact run with ``CPIndexConfig.from_file``.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -27,6 +29,11 @@ TransportName = Literal["auto", "ipc", "mori", "collective"]
 CacheFormat = Literal["bf16", "fp8", "nvfp4"]
 
 ENV_PREFIX = "CPINDEX_"
+#: ``CPINDEX_*`` variables that are not configuration, which :meth:`CPIndexConfig.from_env`
+#: skips: the kernel build's cache folder, and the kernel switches of the benchmark builds.
+NOT_CONFIG_ENV = frozenset({"CPINDEX_CACHE_DIR", "CPINDEX_KERNEL_DEFINES"})
+#: Largest config file :meth:`CPIndexConfig.from_file` reads (a full dump is under 1 KiB).
+MAX_CONFIG_FILE_BYTES = 64 << 10
 
 #: The fused kernel keeps one mma column per head, so one pass scores at most this many heads.
 MAX_KERNEL_HEADS = 8
@@ -227,54 +234,100 @@ class CPIndexConfig(BaseModel):
 
     # --- loading and dumping -------------------------------------------------------------
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> CPIndexConfig:
-        """Build from ``CPINDEX_<FIELD>`` variables (e.g. ``CPINDEX_TRANSPORT=ipc``).
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> CPIndexConfig:
+        """Build from ``CPINDEX_<FIELD>`` variables, one per field of this model (e.g.
+        ``CPINDEX_TRANSPORT=ipc``, ``CPINDEX_MAX_ROWS=64``).
 
-        Keyword ``overrides`` win over the environment. Unknown ``CPINDEX_*`` names are an error,
-        so a typo never silently falls back to a default.
+        Each value is read as a JSON scalar when it is one (``128``, ``2.5``, ``true``,
+        ``null``), as a JSON file would give it to :meth:`from_file`, else as the string itself
+        (``ipc``). ``none``/``null`` unset a field whose default is ``None``. Keyword
+        ``overrides`` win over the environment.
+
+        The variables of :data:`NOT_CONFIG_ENV` (read by the kernel build, not configuration)
+        are skipped. Any other ``CPINDEX_*`` name is an error naming the closest fields, so a
+        typo never silently falls back to a default.
         """
         env = os.environ if environ is None else environ
-        fields = set(cls.model_fields)
+        fields = cls.model_fields
         values: dict[str, Any] = {}
         for key, raw in env.items():
-            if not key.startswith(ENV_PREFIX):
+            if not key.startswith(ENV_PREFIX) or key in NOT_CONFIG_ENV:
                 continue
             name = key[len(ENV_PREFIX) :].lower()
             if name not in fields:
+                close = difflib.get_close_matches(name, list(fields), n=2)
+                hint = "".join(f"did you mean {ENV_PREFIX}{c.upper()}? " for c in close[:1])
                 raise ValueError(
-                    f"unknown environment variable {key}; known: "
-                    + ", ".join(ENV_PREFIX + f.upper() for f in sorted(fields))
+                    f"unknown environment variable {key}: {hint}configuration variables are "
+                    f"CPINDEX_<FIELD> for the fields of CPIndexConfig ({', '.join(fields)}); "
+                    f"{', '.join(sorted(NOT_CONFIG_ENV))} are read elsewhere"
                 )
             if not raw.strip():
                 raise ValueError(
                     f"environment variable {key} is set but empty; unset it to take the "
-                    f"default ({cls.model_fields[name].default!r}) or give a value"
+                    f"default ({fields[name].default!r}) or give a value"
                 )
-            nullable = cls.model_fields[name].default is None
-            values[name] = None if nullable and raw.lower() in ("none", "null") else raw
+            nullable = fields[name].default is None
+            if nullable and raw.strip().lower() in ("none", "null"):
+                values[name] = None
+            else:
+                values[name] = _env_scalar(key, raw)
         values.update(overrides)
         return cls.model_validate(values)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> CPIndexConfig:
-        """Load from a ``.json``, ``.yaml`` or ``.yml`` file holding one mapping."""
+        """Load from a ``.json``, ``.yaml`` or ``.yml`` file holding one flat mapping of field
+        names to values, at most :data:`MAX_CONFIG_FILE_BYTES` of UTF-8 text.
+
+        Raises ``ValueError`` for a file too large, not UTF-8, not valid JSON/YAML, not a
+        mapping, nested, or with keys that are not fields (naming a few of them); pydantic's
+        ``ValidationError`` (a ``ValueError``) for values a field refuses.
+        """
         p = Path(path)
         suffix = _suffix(p)
-        text = p.read_text()
-        if suffix == "yaml":
-            import yaml
+        with p.open("rb") as f:  # read past the bound by one byte only, whatever the file is
+            raw = f.read(MAX_CONFIG_FILE_BYTES + 1)
+        if len(raw) > MAX_CONFIG_FILE_BYTES:
+            raise ValueError(
+                f"config file {p} is larger than {MAX_CONFIG_FILE_BYTES:,} bytes; a config "
+                "file is one small mapping of field: value (a full dump is under 1 KiB)"
+            )
+        try:
+            text = raw.decode("utf-8-sig")
+        except UnicodeDecodeError as e:
+            raise ValueError(
+                f"config file {p} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})"
+            ) from None
+        try:
+            if suffix == "yaml":
+                import yaml
 
-            try:
-                data = yaml.safe_load(text)
-            except yaml.YAMLError as e:
-                raise ValueError(f"config file {p}: not valid YAML: {e}") from None
-        else:
-            try:
-                data = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"config file {p}: not valid JSON: {e}") from None
+                try:
+                    data = yaml.safe_load(text)
+                except yaml.YAMLError as e:
+                    raise ValueError(f"config file {p}: not valid YAML: {e}") from None
+            else:
+                try:
+                    data = json.loads(text)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"config file {p}: not valid JSON: {e}") from None
+        except RecursionError:
+            raise ValueError(
+                f"config file {p} is nested too deeply; a config file is one flat mapping of "
+                "field: value"
+            ) from None
         if not isinstance(data, dict):
             raise ValueError(f"config file {p} must hold a mapping, got {type(data).__name__}")
+        unknown = [k for k in data if k not in cls.model_fields]
+        if unknown:
+            raise ValueError(f"config file {p}: {_unknown_keys(unknown, list(cls.model_fields))}")
+        nested = [k for k, v in data.items() if isinstance(v, (dict, list))]
+        if nested:
+            raise ValueError(
+                f"config file {p}: {nested[0]!r} holds a {type(data[nested[0]]).__name__}; "
+                "every field takes one value"
+            )
         return cls.model_validate(data)
 
     def dump_json(self) -> str:
@@ -291,6 +344,31 @@ class CPIndexConfig(BaseModel):
             p.write_text(yaml.safe_dump(self.model_dump(), sort_keys=False))
         else:
             p.write_text(self.dump_json() + "\n")
+
+
+def _env_scalar(key: str, raw: str) -> Any:
+    """An environment value as a JSON file would hold it: a JSON scalar if it parses as one,
+    else the string itself."""
+    try:
+        value = json.loads(raw)
+    except ValueError:  # JSONDecodeError, or a number too long to convert
+        return raw
+    if isinstance(value, (dict, list)):
+        raise ValueError(f"environment variable {key}: expected one value, got {raw!r}")
+    return value
+
+
+def _unknown_keys(unknown: list[Any], fields: list[str], show: int = 5) -> str:
+    """A short message naming at most ``show`` of ``unknown`` (a file may hold any number)."""
+    names = [repr(k)[:60] for k in unknown[:show]]
+    more = f" and {len(unknown) - show:,} more" if len(unknown) > show else ""
+    first = unknown[0]
+    close = difflib.get_close_matches(first, fields, n=2) if isinstance(first, str) else []
+    hint = f" ({names[0]}: did you mean {' or '.join(map(repr, close))}?)" if close else ""
+    return (
+        f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(names)}{more}{hint}; "
+        f"the fields are: {', '.join(fields)}"
+    )
 
 
 def _suffix(p: Path) -> str:

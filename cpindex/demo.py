@@ -8,6 +8,9 @@ selection (``select_blocks``) against the reference's, and prints a short summar
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -15,6 +18,7 @@ import torch
 
 from . import formats, partition, reference, testing
 from .api import IndexCP
+from .cli import GPU_TRANSPORTS, UsageError, first_error
 from .comm import Comm, TorchComm
 from .config import CPIndexConfig
 from .spawn import spawn_processes
@@ -32,13 +36,39 @@ class DemoArgs:
     repeats: int = 5
 
 
-def _rank_job(comm: Comm, args: DemoArgs, device: torch.device) -> dict:
-    cfg = CPIndexConfig(
+def config(args: DemoArgs, world_size: int | None = None) -> CPIndexConfig:
+    """The configuration every rank builds (``world_size`` given: bound to it, as the ranks'
+    instances bind it)."""
+    return CPIndexConfig(
         transport=args.transport,
         cache_format=args.fmt,
         max_rows=max(args.rows, 8),
         max_width=-(-args.context // 128),
+        world_size=world_size,
     )
+
+
+def check(args: DemoArgs) -> None:
+    """Refuse, before any rank starts, what every rank would refuse (one line naming the
+    option)."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus == 0 and args.transport in GPU_TRANSPORTS:
+        raise UsageError(
+            f"--transport {args.transport} needs GPUs and this machine has none; use "
+            "--transport collective (or auto)"
+        )
+    try:
+        CPIndexConfig(world_size=args.world)  # the heads (4) split over the ranks
+    except ValueError as e:
+        raise UsageError(f"--world {args.world}: {first_error(e)}") from None
+    try:
+        config(args, args.world)
+    except ValueError as e:
+        raise UsageError(f"--rows {args.rows} --context {args.context}: {first_error(e)}") from None
+
+
+def _rank_job(comm: Comm, args: DemoArgs, device: torch.device) -> dict:
+    cfg = config(args)
     prob = testing.make_problem(args.rows, args.context, args.fmt, seed=args.seed, device=device)
     with IndexCP(cfg, device=device, comm=comm) as cp:
         iq = prob.rank_queries(comm.rank, comm.world_size)
@@ -78,16 +108,18 @@ def _rank_job(comm: Comm, args: DemoArgs, device: torch.device) -> dict:
         }
 
 
-def _process_job(rank: int, world: int, args: DemoArgs, use_cuda: bool) -> None:
+def _process_job(rank: int, world: int, args: DemoArgs, use_cuda: bool, path: str) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     comm = TorchComm()
     res = _rank_job(comm, args, device)
     results = comm.all_gather_object(res)
-    if rank == 0:
-        _print(results, args)
+    if rank == 0:  # the parent prints them
+        with open(path, "w") as f:
+            json.dump(results, f)
 
 
-def _print(results: list[dict], args: DemoArgs) -> None:
+def report(results: list[dict], args: DemoArgs) -> bool:
+    """Print the summary; True when every rank matched the reference."""
     total = -(-args.context // 128)
     print(
         f"cpindex demo: {args.world} ranks, {args.rows} rows up to {args.context} tokens "
@@ -106,17 +138,20 @@ def _print(results: list[dict], args: DemoArgs) -> None:
         )
     ok = all(r["match"] and r["topk_match"] for r in results)
     print("all ranks match the reference" if ok else "MISMATCH")
-    if not ok:
-        raise SystemExit(1)
+    return ok
 
 
-def run(args: DemoArgs) -> None:
-    """Pick the world that fits this machine and run the demo in it."""
+def run(args: DemoArgs) -> list[dict]:
+    """Pick the world that fits this machine, run the demo in it, and return every rank's
+    result. A failed rank raises (:class:`cpindex.spawn.RanksFailed` for processes)."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if gpus >= args.world:
-        spawn_processes(args.world, _process_job, args, True, backend="nccl")
-    elif gpus >= 1:  # one GPU: the one-process world, one stream per rank
+    if 1 <= gpus < args.world:  # one GPU: the one-process world, one stream per rank
         dev = torch.device("cuda", 0)
-        _print(run_threads(args.world, lambda c: _rank_job(c, args, dev), device=dev), args)
-    else:
-        spawn_processes(args.world, _process_job, args, False, backend="gloo")
+        return run_threads(args.world, lambda c: _rank_job(c, args, dev), device=dev)
+    with tempfile.TemporaryDirectory(prefix="cpindex-demo-") as tmp:
+        path = os.path.join(tmp, "results.json")  # rank 0's process hands the results back here
+        on_gpus = gpus >= args.world
+        backend = "nccl" if on_gpus else "gloo"
+        spawn_processes(args.world, _process_job, args, on_gpus, path, backend=backend)
+        with open(path) as f:
+            return json.load(f)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from cpindex import kernels
 from cpindex.cli import build_parser
@@ -64,7 +65,8 @@ def test_every_option_has_help_and_a_default_shown():
     res = _cpindex("bench", "--help", timeout=60)
     assert res.returncode == 0, res.stderr
     text = " ".join(res.stdout.split())
-    for shown in ("(default: collective,ipc)", "(default: 4; --kernel: 1", "(default: nvfp4)",
+    for shown in ("(default: collective,ipc on a GPU machine", "(default: 4; --kernel: 1",
+                  "(default: nvfp4)",
                   "(default: True)", "cpindex[bench]"):  # fmt: skip
         assert shown in text, shown
 
@@ -128,29 +130,43 @@ def test_counts_below_one_are_refused_by_name(args, says):
 
 def test_bench_cpu_writes_json(tmp_path):
     """`cpindex bench` on a CPU machine: collective + scoring + no-CP baseline, JSON out; the
-    table printed once with its legend; no temporary file left behind or named in the JSON."""
+    table printed once with its legend; no temporary file left behind or named in the JSON.
+    A context that is not a whole number of blocks (1000 tokens: the last block partial) and a
+    comma list of query lengths, as --help says; nothing printed that does not apply here (the
+    selection legend without --select, the nccl-tests note on CPU, a transport not asked for)."""
     out = tmp_path / "bench.json"
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    proc = _cpindex("bench", "--world", "2", "--rows", "1,3", "--context", "1k", "--iters", "2",
-                    "--out", str(out), env={"TMPDIR": str(tmp)}, timeout=180)  # fmt: skip
+    proc = _cpindex("bench", "--world", "2", "--rows", "1,3", "--context", "1000", "--iters", "2",
+                    "--query-len", "1,2", "--out", str(out), env={"TMPDIR": str(tmp)},
+                    timeout=180)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "skipping ipc" in proc.stdout
     lines = proc.stdout.splitlines()
     headers = [i for i, ln in enumerate(lines) if "collective us" in ln and "no-CP us" in ln]
     assert len(headers) == 1, proc.stdout
-    body = lines[headers[0] + 1 : headers[0] + 3]
-    assert [ln.split()[:2] for ln in body] == [["nvfp4", "1"], ["nvfp4", "3"]], proc.stdout
-    assert sum(ln.lstrip().startswith("nvfp4") for ln in lines) == 2, proc.stdout
+    body = lines[headers[0] + 1 : headers[0] + 5]
+    assert [ln.split()[:4] for ln in body] == [
+        ["nvfp4", "1", "1", "1000"], ["nvfp4", "1", "2", "1000"],
+        ["nvfp4", "3", "1", "1000"], ["nvfp4", "3", "2", "1000"],
+    ], proc.stdout  # fmt: skip
+    assert sum(ln.lstrip().startswith("nvfp4") for ln in lines) == 4, proc.stdout
     assert sum(ln.startswith("copy bandwidth: ") for ln in lines) == 1, proc.stdout
     for word in ("  x ", "  GB/s ", "  score ", "  % copy ", "  no-CP "):  # the legend
         assert any(ln.startswith(word) for ln in lines), (word, proc.stdout)
+    for noise in ("Selection", "select", "alltoall_perf", "nccl-tests", "ipc", "skipping"):
+        assert noise not in proc.stdout, (noise, proc.stdout)
     assert list(tmp.iterdir()) == []
     text = out.read_text()
     assert "results_path" not in text and str(tmp) not in text
     data = json.loads(text)
     assert data["meta"]["kernel_sources"] == kernels.sources_digest()  # names the code it ran
-    assert [r["rows"] for r in data["results"]] == [1, 3]
+    assert data["spec"]["transports"] == ["collective"]
+    assert [(r["rows"], r["query_len"]) for r in data["results"]] == [
+        (1, 1),
+        (1, 2),
+        (3, 1),
+        (3, 2),
+    ]
     for r in data["results"]:
         assert r["agree"] == {"collective": True}
         assert r["collective"]["median_ms"] > 0 and r["nocp"]["median_ms"] > 0
@@ -165,6 +181,7 @@ def test_bench_cpu_select_prints_bytes_beside_times(tmp_path):
                     "--query-len", "4", "--select", "--out", str(out), timeout=180)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert sum("select us" in ln and "push+topk us" in ln for ln in proc.stdout.splitlines()) == 1
+    assert "Selection (topk 16)" in proc.stdout  # its legend, with --select only
     rows = json.loads(out.read_text())["results"]
     assert [r["context"] for r in rows] == [2048, 8192]
     for r in rows:
@@ -212,3 +229,63 @@ def test_plot_legend_says_no_cp_and_explains_score(monkeypatch):
     assert any(lb.startswith("no-CP") for lb in labels), labels
     assert any(lb.startswith("score:") and "alone" in lb for lb in labels), labels
     assert not any("nocp" in lb for lb in labels), labels
+
+
+# ------------------------------------------------------------------------ checked before spawning
+
+
+def _main(capsys, *argv: str) -> tuple[int, str, str]:
+    """``cpindex.cli.main`` in this process: the argument checks need no rank."""
+    from cpindex import cli
+
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+_CPU = not torch.cuda.is_available()
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["demo", "--world", "3"], "cpindex demo: error: --world 3: num_heads (4) and world_size "
+         "(3) must divide one another"),
+        (["bench", "--world", "3"], "cpindex bench: error: --world 3: num_heads (4) and "
+         "world_size (3) must divide one another"),
+        (["demo", "--rows", "70000"], "cpindex demo: error: --rows 70000 --context 8192: "),
+        (["bench", "--query-len", "1,9"], "cpindex bench: error: --query-len: at most 8"),
+        (["bench", "--formats", "nvfp4-vllm"], "cpindex bench: error: --formats nvfp4-vllm: only "
+         "with --kernel"),
+        pytest.param(["demo", "--transport", "ipc"], "cpindex demo: error: --transport ipc needs "
+                     "GPUs", marks=pytest.mark.skipif(not _CPU, reason="a CPU machine's refusal")),
+        pytest.param(["bench", "--transports", "ipc"], "cpindex bench: error: --transports ipc: "
+                     "ipc needs GPUs", marks=pytest.mark.skipif(not _CPU, reason="CPU only")),
+        pytest.param(["bench", "--kernel"], "cpindex bench: error: --kernel needs a GPU",
+                     marks=pytest.mark.skipif(not _CPU, reason="CPU only")),
+    ],
+)  # fmt: skip
+def test_arguments_are_checked_before_any_rank_starts(capsys, tmp_path, monkeypatch, argv, says):
+    """What every rank would refuse is refused in the parent: one line, exit 2, nothing run
+    (so nothing left behind)."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    code, out, err = _main(capsys, *argv)
+    assert code == 2, (out, err)
+    assert err.startswith(says), err
+    assert err.count("\n") == 1, err  # one line
+    assert out == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_version(capsys):
+    import cpindex
+
+    with pytest.raises(SystemExit) as ei:
+        _main(capsys, "--version")
+    assert ei.value.code == 0
+    assert capsys.readouterr().out == f"cpindex {cpindex.__version__}\n"
+
+
+def test_query_len_takes_the_comma_list_its_help_promises():
+    args = build_parser().parse_args(["bench", "--query-len", "1,4"])
+    assert args.query_len == [1, 4]

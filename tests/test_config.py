@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 
 import pytest
 import yaml
 from pydantic import ValidationError
 
-from cpindex.config import MAX_KERNEL_HEADS, CPIndexConfig
+from cpindex.config import (
+    MAX_CONFIG_FILE_BYTES,
+    MAX_KERNEL_HEADS,
+    NOT_CONFIG_ENV,
+    CPIndexConfig,
+)
 
 # --------------------------------------------------------------------------- defaults
 
@@ -144,9 +151,44 @@ def test_from_env_transport(transport):
 def test_from_env_unknown_variable_named():
     with pytest.raises(ValueError, match=r"unknown environment variable CPINDEX_FOO\b") as ei:
         CPIndexConfig.from_env({"CPINDEX_FOO": "1", "CPINDEX_MAX_ROWS": "4"})
-    # the message lists the known names, so a typo is easy to fix
-    assert "CPINDEX_MAX_ROWS" in str(ei.value)
-    assert "CPINDEX_TRANSPORT" in str(ei.value)
+    # the message says what the configuration's variables are, so a typo is easy to fix
+    assert "CPINDEX_<FIELD>" in str(ei.value)
+    assert "max_rows" in str(ei.value) and "transport" in str(ei.value)
+
+
+def test_from_env_unknown_variable_names_the_closest_field():
+    with pytest.raises(ValueError, match=r"did you mean CPINDEX_MAX_ROWS\?"):
+        CPIndexConfig.from_env({"CPINDEX_MAX_ROW": "4"})
+
+
+@pytest.mark.parametrize("name", sorted(NOT_CONFIG_ENV))
+def test_from_env_skips_variables_that_are_not_configuration(name):
+    assert name in {"CPINDEX_CACHE_DIR", "CPINDEX_KERNEL_DEFINES"}
+    c = CPIndexConfig.from_env({name: "/tmp/x CP_A=1", "CPINDEX_MAX_ROWS": "4"})
+    assert c == CPIndexConfig(max_rows=4)
+
+
+def test_from_env_reads_values_as_a_json_file_would():
+    env = {
+        "CPINDEX_HEAD_DIM": "128",  # Literal[128]: the string '128' alone would be refused
+        "CPINDEX_BLOCK_SIZE": " 128 ",
+        "CPINDEX_TIMEOUT_S": "2.5",
+        "CPINDEX_SM_SCALE": "1e-2",
+        "CPINDEX_IPC_SELF_TEST": "false",
+        "CPINDEX_TRANSPORT": '"collective"',  # a JSON string is read as one
+        "CPINDEX_ERROR_CHECK": "sync",  # not JSON: the string itself
+        "CPINDEX_WORLD_SIZE": "null",
+    }
+    c = CPIndexConfig.from_env(env)
+    assert (c.head_dim, c.block_size, c.timeout_s, c.sm_scale) == (128, 128, 2.5, 0.01)
+    assert c.ipc_self_test is False
+    assert (c.transport, c.error_check, c.world_size) == ("collective", "sync", None)
+    with pytest.raises(ValidationError, match="head_dim"):
+        CPIndexConfig.from_env({"CPINDEX_HEAD_DIM": "64"})
+    with pytest.raises(ValidationError, match="max_rows"):
+        CPIndexConfig.from_env({"CPINDEX_MAX_ROWS": "true"})  # a bool is not a count
+    with pytest.raises(ValueError, match="CPINDEX_MAX_ROWS: expected one value"):
+        CPIndexConfig.from_env({"CPINDEX_MAX_ROWS": "[1, 2]"})
 
 
 def test_from_env_bad_value_names_field():
@@ -233,10 +275,85 @@ def test_from_file_rejects_bad_suffix_and_non_mapping(tmp_path):
 def test_from_file_validates(tmp_path):
     p = tmp_path / "cfg.json"
     p.write_text(json.dumps({"max_rows": 4, "bogus": 1}))
-    with pytest.raises(ValidationError, match="bogus"):
+    with pytest.raises(ValueError, match="unknown key 'bogus'"):
         CPIndexConfig.from_file(p)
     p.write_text(json.dumps({"num_heads": 3, "world_size": 2}))
     with pytest.raises(ValidationError, match="must divide one another"):
+        CPIndexConfig.from_file(p)
+
+
+def test_from_file_bounds_the_size_read(tmp_path):
+    p = tmp_path / "cfg.json"
+    pad = " " * MAX_CONFIG_FILE_BYTES
+    p.write_text('{"max_rows": 4}' + pad)
+    with pytest.raises(ValueError, match=f"larger than {MAX_CONFIG_FILE_BYTES:,} bytes"):
+        CPIndexConfig.from_file(p)
+    p.write_text('{"max_rows": 4}' + pad[: MAX_CONFIG_FILE_BYTES - 20])
+    assert CPIndexConfig.from_file(p).max_rows == 4
+    endless = tmp_path / "endless.yaml"  # not a regular file: read up to the bound only
+    os.symlink("/dev/zero", endless)
+    with pytest.raises(ValueError, match="larger than"):
+        CPIndexConfig.from_file(endless)
+
+
+def test_from_file_with_300k_unknown_keys_fails_fast_and_short(tmp_path):
+    p = tmp_path / "cfg.json"
+    p.write_text(json.dumps({f"key{i}": i for i in range(300_000)}))
+    t0 = time.monotonic()
+    with pytest.raises(ValueError) as ei:
+        CPIndexConfig.from_file(p)
+    assert time.monotonic() - t0 < 2.0
+    assert len(str(ei.value)) < 400, str(ei.value)
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml"])
+def test_from_file_names_a_few_unknown_keys(tmp_path, suffix):
+    keys = {f"k{i}": i for i in range(3000)} | {"max_rows": 4}
+    p = tmp_path / f"cfg{suffix}"
+    p.write_text(json.dumps(keys) if suffix == ".json" else yaml.safe_dump(keys, sort_keys=False))
+    with pytest.raises(ValueError) as ei:
+        CPIndexConfig.from_file(p)
+    msg = str(ei.value)
+    assert "unknown keys 'k0', 'k1', 'k2', 'k3', 'k4' and 2,995 more" in msg
+    assert "max_rows" in msg  # the fields are listed
+    assert len(msg) < 500, msg
+    p.write_text(json.dumps({"max_row": 4}) if suffix == ".json" else "max_row: 4\n")
+    with pytest.raises(ValueError, match="did you mean 'max_rows'"):
+        CPIndexConfig.from_file(p)
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml"])
+def test_from_file_refuses_undecodable_bytes(tmp_path, suffix):
+    p = tmp_path / f"cfg{suffix}"
+    p.write_bytes(b"max_rows: 4\n" if suffix == ".yaml" else b'{"max_rows": 4}')
+    assert CPIndexConfig.from_file(p).max_rows == 4
+    p.write_bytes(b"\xef\xbb\xbf" + p.read_bytes())  # a UTF-8 byte-order mark is fine
+    assert CPIndexConfig.from_file(p).max_rows == 4
+    p.write_bytes(b'{"transport": "\xff\xfe"}')
+    with pytest.raises(ValueError, match=r"not UTF-8 text \(byte 0xff at offset 15\)"):
+        CPIndexConfig.from_file(p)
+
+
+@pytest.mark.parametrize(
+    ("suffix", "text"),
+    [
+        (".json", '{"max_rows": ' + "[" * 5000 + "]" * 5000 + "}"),
+        (".yaml", "max_rows: " + "[" * 5000 + "]" * 5000),
+        (".yaml", "max_rows: " + "{a: " * 3000 + "}" * 3000),
+    ],
+)
+def test_from_file_refuses_deep_nesting_without_recursion_error(tmp_path, suffix, text):
+    p = tmp_path / f"cfg{suffix}"
+    p.write_text(text)
+    with pytest.raises(ValueError, match="nested too deeply"):
+        CPIndexConfig.from_file(p)
+
+
+@pytest.mark.parametrize("value", [[4], {"a": 4}])
+def test_from_file_refuses_nested_values(tmp_path, value):
+    p = tmp_path / "cfg.json"
+    p.write_text(json.dumps({"max_rows": value}))
+    with pytest.raises(ValueError, match=r"'max_rows' holds a (list|dict); every field takes one"):
         CPIndexConfig.from_file(p)
 
 

@@ -13,8 +13,9 @@ scanning every block for its own head (what TP does without CP); and the scan by
 
 from __future__ import annotations
 
+import itertools
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -46,8 +47,36 @@ class Spec:
     contexts: list[int]
     graphs: bool
     iters: int
-    query_len: int = 1  # query rows per request; ``rows`` counts requests
+    query_lens: list[int] = field(default_factory=lambda: [1])  # query rows per request
     select: bool = False  # also time select_blocks and score_push + torch.topk (topk 16)
+
+
+def blocks(context: int) -> int:
+    """Blocks of a ``context``-token request (a partial last block counts)."""
+    return -(-context // 128)
+
+
+def tokens(n: int) -> str:
+    """A context length for the table: ``32K`` for whole KiB of tokens, else the count."""
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def configs(spec: Spec, world_size: int | None = None) -> dict[tuple[str, str], CPIndexConfig]:
+    """The instances' configurations by (format, transport), sized for every shape of ``spec``
+    (``world_size`` given: bound to it, as the ranks' instances bind it)."""
+    t_max = max(spec.query_lens)
+    return {
+        (fmt, t): CPIndexConfig(
+            transport=t,
+            cache_format=fmt,
+            max_rows=max(spec.rows) * t_max,
+            max_query_len=t_max,
+            max_width=blocks(max(spec.contexts)),
+            world_size=world_size,
+        )
+        for fmt in spec.formats
+        for t in spec.transports
+    }
 
 
 def _problem(fmt: str, rows: int, ctx: int, t: int, device: torch.device) -> testing.Problem:
@@ -55,12 +84,12 @@ def _problem(fmt: str, rows: int, ctx: int, t: int, device: torch.device) -> tes
     if device.type != "cuda":
         lens = torch.full((rows,), ctx, dtype=torch.int32)
         return testing.make_problem(rows, ctx, fmt, query_len=t, lengths=lens, seed=rows * 7 + ctx)
-    blocks = ctx // 128
-    cache = synthetic_cache(rows * blocks, fmt, device, seed=rows + ctx)
-    table = torch.arange(rows * blocks, dtype=torch.int32, device=device).view(rows, blocks)
+    nb = blocks(ctx)
+    cache = synthetic_cache(rows * nb, fmt, device, seed=rows + ctx)
+    table = torch.arange(rows * nb, dtype=torch.int32, device=device).view(rows, nb)
     lens = torch.full((rows,), ctx, dtype=torch.int32, device=device)
     q = synthetic_queries(rows * t, 4, fmt, device, seed=ctx)
-    return testing.Problem(q, cache, table, lens, blocks, fmt, t)
+    return testing.Problem(q, cache, table, lens, nb, fmt, t)
 
 
 def _time(fn, spec: Spec, device: torch.device, capturable: bool = True, comm=None):
@@ -86,91 +115,82 @@ def _advance(bar, done: int, total: int, rec: dict) -> None:
         bar.update(1)
     else:
         print(
-            f"bench: {done}/{total} {rec['format']} rows={rec['rows']} context={rec['context']}",
+            f"bench: {done}/{total} {rec['format']} rows={rec['rows']} T={rec['query_len']} "
+            f"context={rec['context']}",
             file=sys.stderr,
             flush=True,
         )
 
 
 def _rank_job(comm: Comm, spec: Spec, device: torch.device) -> list[dict]:
-    rows_max, width_max = max(spec.rows), max(spec.contexts) // 128
     out: list[dict] = []
-    shapes = len(spec.formats) * len(spec.rows) * len(spec.contexts)
+    shapes = len(spec.formats) * len(spec.rows) * len(spec.contexts) * len(spec.query_lens)
     bar = _progress(shapes, comm.rank == 0)
     copy_gbs = None
     if comm.rank == 0:  # alone on the device: the roofline the 'score' column is read against
         copy_gbs = copy_bandwidth_gbs(device, 1 << 30 if device.type == "cuda" else 1 << 26)
     comm.barrier()
+    cfgs = configs(spec)
     for fmt in spec.formats:
-        cps = {}
-        for t in spec.transports:
-            cfg = CPIndexConfig(
-                transport=t,
-                cache_format=fmt,
-                max_rows=rows_max * spec.query_len,
-                max_query_len=spec.query_len,
-                max_width=width_max,
+        cps = {t: IndexCP(cfgs[fmt, t], device=device, comm=comm) for t in spec.transports}
+        for rows, ctx, t_len in itertools.product(spec.rows, spec.contexts, spec.query_lens):
+            prob = _problem(fmt, rows, ctx, t_len, device)
+            iq = prob.rank_queries(comm.rank, comm.world_size)
+            args = (prob.index_cache, prob.block_table, prob.seq_lens, 0, 1, prob.width)
+            kw = {"query_len": t_len}
+            rec = {
+                "copy_gbs": copy_gbs,
+                "format": fmt,
+                "rows": rows,
+                "query_len": t_len,
+                "context": ctx,
+                "world": comm.world_size,
+                "device": str(device),
+                "graphs": spec.graphs and device.type == "cuda",
+            }
+            # correctness first: every transport == the full single-device result
+            full = _full_fn(prob, prob.q, device)(0)
+            heads = partition.heads_of_rank(comm.rank, 4, comm.world_size)
+            mine = full[heads[0] : heads[-1] + 1]  # a slice: no host-to-device index copy
+            comm.barrier()  # all prep done before anyone launches push kernels
+            agree = {}
+            for t, cp in cps.items():
+                got = cp.score_push(iq, *args, **kw)
+                if device.type == "cuda":
+                    torch.cuda.current_stream().synchronize()
+                comm.barrier()  # nobody launches the next push while equal() allocates
+                agree[t] = bool(torch.equal(got, mine))
+                comm.barrier()
+            rec["agree"] = agree
+            for t, cp in cps.items():
+                fn = lambda i, cp=cp, iq=iq, args=args, kw=kw: cp.score_push(iq, *args, **kw)  # noqa: E731
+                rec[t] = summarize(_time(fn, spec, device, cp.capturable, comm))
+                rec[t]["graph"] = bool(spec.graphs and cp.capturable)
+                rec["transport_" + t] = cp.transport_name
+                if spec.select:
+                    _time_selection(rec, t, cp, iq, args, kw, spec, device, comm)
+            comm.barrier()
+            if comm.rank == 0:  # alone on the device: share scoring and no-CP baseline
+                rec["score"] = summarize(_time(_share_fn(prob, comm, device), spec, device))
+                own = prob.q[:, partition.heads_of_rank(0, 4, comm.world_size)].contiguous()
+                rec["nocp"] = summarize(_time(_full_fn(prob, own, device), spec, device))
+            comm.barrier()
+            page = 128 * formats.BYTES_PER_TOKEN[fmt]
+            rec["scan_bytes_rank"] = (
+                max(
+                    partition.scanned_blocks(prob.seq_lens, r, comm.world_size, 0, 1)
+                    for r in range(comm.world_size)
+                )
+                * page
             )
-            cps[t] = IndexCP(cfg, device=device, comm=comm)
-        for rows in spec.rows:
-            for ctx in spec.contexts:
-                prob = _problem(fmt, rows, ctx, spec.query_len, device)
-                iq = prob.rank_queries(comm.rank, comm.world_size)
-                args = (prob.index_cache, prob.block_table, prob.seq_lens, 0, 1, prob.width)
-                kw = {"query_len": spec.query_len}
-                rec = {
-                    "copy_gbs": copy_gbs,
-                    "format": fmt,
-                    "rows": rows,
-                    "query_len": spec.query_len,
-                    "context": ctx,
-                    "world": comm.world_size,
-                    "device": str(device),
-                    "graphs": spec.graphs and device.type == "cuda",
-                }
-                # correctness first: every transport == the full single-device result
-                full = _full_fn(prob, prob.q, device)(0)
-                heads = partition.heads_of_rank(comm.rank, 4, comm.world_size)
-                mine = full[heads[0] : heads[-1] + 1]  # a slice: no host-to-device index copy
-                comm.barrier()  # all prep done before anyone launches push kernels
-                agree = {}
-                for t, cp in cps.items():
-                    got = cp.score_push(iq, *args, **kw)
-                    if device.type == "cuda":
-                        torch.cuda.current_stream().synchronize()
-                    comm.barrier()  # nobody launches the next push while equal() allocates
-                    agree[t] = bool(torch.equal(got, mine))
-                    comm.barrier()
-                rec["agree"] = agree
-                for t, cp in cps.items():
-                    fn = lambda i, cp=cp, iq=iq, args=args, kw=kw: cp.score_push(iq, *args, **kw)  # noqa: E731
-                    rec[t] = summarize(_time(fn, spec, device, cp.capturable, comm))
-                    rec[t]["graph"] = bool(spec.graphs and cp.capturable)
-                    rec["transport_" + t] = cp.transport_name
-                    if spec.select:
-                        _time_selection(rec, t, cp, iq, args, kw, spec, device, comm)
-                comm.barrier()
-                if comm.rank == 0:  # alone on the device: share scoring and no-CP baseline
-                    rec["score"] = summarize(_time(_share_fn(prob, comm, device), spec, device))
-                    own = prob.q[:, partition.heads_of_rank(0, 4, comm.world_size)].contiguous()
-                    rec["nocp"] = summarize(_time(_full_fn(prob, own, device), spec, device))
-                comm.barrier()
-                page = 128 * formats.BYTES_PER_TOKEN[fmt]
-                rec["scan_bytes_rank"] = (
-                    max(
-                        partition.scanned_blocks(prob.seq_lens, r, comm.world_size, 0, 1)
-                        for r in range(comm.world_size)
-                    )
-                    * page
-                )
-                rec["scan_bytes_rank0"] = (
-                    partition.scanned_blocks(prob.seq_lens, 0, comm.world_size, 0, 1) * page
-                )
-                rec["scan_bytes_full"] = partition.scanned_blocks(prob.seq_lens, 0, 1, 0, 1) * page
-                out.append(rec)
-                if comm.rank == 0:
-                    _advance(bar, len(out), shapes, rec)
-                del prob
+            rec["scan_bytes_rank0"] = (
+                partition.scanned_blocks(prob.seq_lens, 0, comm.world_size, 0, 1) * page
+            )
+            rec["scan_bytes_full"] = partition.scanned_blocks(prob.seq_lens, 0, 1, 0, 1) * page
+            out.append(rec)
+            if comm.rank == 0:
+                _advance(bar, len(out), shapes, rec)
+            del prob
         for cp in cps.values():
             cp.close()
     if bar is not None:
@@ -271,7 +291,7 @@ def line(r: dict, transports: list[str]) -> str:
     copy = r.get("copy_gbs")
     share = f"{r['scan_bytes_rank0'] / score / 1e6 / copy:>6.0%}" if score and copy else ""
     return (
-        f"{r['format']:>5} {r['rows']:>4} {r.get('query_len', 1):>2} {r['context'] // 1024:>4}K "
+        f"{r['format']:>5} {r['rows']:>4} {r.get('query_len', 1):>2} {tokens(r['context']):>5} "
         f"{r['scan_bytes_rank'] / 2**20:>8.2f} {r['scan_bytes_rank'] / best / 1e6:>7.2f}{cols} "
         f"{(score or 0) * 1e3:>9.1f} {share:>6} {(nocp or 0) * 1e3:>9.1f} {gain:>7} "
         f"{'yes' if all(r['agree'].values()) else 'NO':>5}"
@@ -298,7 +318,7 @@ def select_line(r: dict, t: str) -> str:
     push, sel = r[t]["median_ms"], r[t + "_select"]["median_ms"]
     ptk = r[t + "_push_topk"]["median_ms"]
     return (
-        f"{r['format']:>5} {r['rows']:>4} {r.get('query_len', 1):>2} {r['context'] // 1024:>4}K "
+        f"{r['format']:>5} {r['rows']:>4} {r.get('query_len', 1):>2} {tokens(r['context']):>5} "
         f"{t:>10} {push * 1e3:>9.1f} {sel * 1e3:>10.1f} {sel / push:>7.2f}x {ptk * 1e3:>13.1f} "
         f"{r[t + '_bytes_scores']:>10} {r[t + '_bytes_select']:>9}"
     )
@@ -308,26 +328,28 @@ def legend(spec: Spec, rows: list[dict]) -> str:
     """What the table's columns mean, printed under it."""
     graphs = any(r["graphs"] for r in rows)
     how = "CUDA graph replays of 8 calls where capturable" if graphs else "eager calls"
-    return "\n".join(
-        [
-            f"Times: median per call in us over {spec.iters} timed repetitions ({how}).",
-            "  rows, T   requests, and the query rows each scores (its pages are read once)",
-            "  MiB/rank  index-cache bytes the busiest rank reads per call",
-            "  GB/s      MiB/rank over the fastest transport's time",
-            "  <t> us    one score_push call with transport <t>, exchange included",
-            "  x         that time over the fastest transport's (1.00 = fastest)",
-            "  score     rank 0's share scored alone, no exchange: what each GPU spends",
-            "            scanning in a real W-GPU deployment",
-            "  % copy    rank 0's share's bytes over that time, against the copy bandwidth above",
-            "  no-CP     one rank scoring every block for its own head (TP without CP)",
-            "  CP gain   no-CP over the fastest transport",
-            "  agree     every transport's output equals the single-device result, bit for bit",
-            "Selection (--select; topk 16): push = score_push; select = select_blocks;",
+    lines = [
+        f"Times: median per call in us over {spec.iters} timed repetitions ({how}).",
+        "  rows, T   requests, and the query rows each scores (its pages are read once)",
+        "  MiB/rank  index-cache bytes the busiest rank reads per call",
+        "  GB/s      MiB/rank over the fastest transport's time",
+        "  <t> us    one score_push call with transport <t>, exchange included",
+        "  x         that time over the fastest transport's (1.00 = fastest)",
+        "  score     rank 0's share scored alone, no exchange: what each GPU spends",
+        "            scanning in a real W-GPU deployment",
+        "  % copy    rank 0's share's bytes over that time, against the copy bandwidth above",
+        "  no-CP     one rank scoring every block for its own head (TP without CP)",
+        "  CP gain   no-CP over the fastest transport",
+        "  agree     every transport's output equals the single-device result, bit for bit",
+    ]
+    if spec.select:
+        lines += [
+            "Selection (topk 16): push = score_push; select = select_blocks;",
             "  push+topk = score_push plus torch.topk of its scores (timed apart, medians added);",
             "  score B / select B = bytes",
             "  this rank sends its peers per call in the score / candidate exchange",
         ]
-    )
+    return "\n".join(lines)
 
 
 def _process_job(rank: int, world: int, spec: Spec, use_cuda: bool, results_path: str) -> None:

@@ -11,6 +11,8 @@ import platform
 import torch
 
 from .. import kernels
+from ..cli import BENCH_EXTRA, GPU_TRANSPORTS, UsageError, first_error
+from ..config import MAX_QUERY_LEN, CPIndexConfig
 from . import ab, kernel_sweep, nccl_tests
 
 K = 1024
@@ -23,23 +25,55 @@ def _device_name() -> str:
 
 
 def require_matplotlib() -> None:
-    """Exit with a message naming the extra when ``--plot`` cannot work (before any timing)."""
+    """Refuse ``--plot``, naming the extra, when matplotlib cannot be imported (before any
+    timing)."""
     try:
         import matplotlib  # noqa: F401
     except ImportError as e:
-        raise SystemExit(
-            f"cpindex bench: --plot needs matplotlib ({e}); install it with: "
-            "pip install cpindex[bench]"
-        ) from None
+        raise UsageError(f"--plot needs matplotlib ({e}); install it with: {BENCH_EXTRA}") from None
 
 
-def _one_query_len(values: list[int]) -> int:
-    """The transport A/B runs one query length per run (its instances are sized for it)."""
-    if len(values) != 1:
-        raise SystemExit(
-            "cpindex bench: the transport A/B takes one --query-len; got " + str(values)
-        )
-    return values[0]
+def ab_spec(args: argparse.Namespace, gpu: bool) -> ab.Spec:
+    """The transport A/B's spec from the options, checked before any rank starts: what every
+    rank would refuse is a :class:`UsageError` naming the option."""
+    if args.transports is None:
+        transports = ["collective", "ipc"] if gpu else ["collective"]
+    else:
+        transports = args.transports.split(",")
+        need_gpus = [t for t in transports if t in GPU_TRANSPORTS]
+        if need_gpus and not gpu:
+            raise UsageError(
+                f"--transports {args.transports}: {', '.join(need_gpus)} "
+                f"need{'s' if len(need_gpus) == 1 else ''} GPUs and this machine has none; on "
+                "a CPU machine only collective (or auto) runs"
+            )
+    fmts = args.formats.split(",")
+    if "nvfp4-vllm" in fmts:
+        raise UsageError("--formats nvfp4-vllm: only with --kernel (the kernel sweep)")
+    if args.rccl_tests and not gpu:
+        raise UsageError("--rccl-tests: the all-to-all comparison needs GPUs")
+    spec = ab.Spec(
+        transports=transports,
+        world=4 if args.world is None else args.world,
+        formats=fmts,
+        rows=args.rows or ([1, 8, 32] if gpu else [1, 8]),
+        contexts=args.context or ([8 * K, 32 * K, 128 * K] if gpu else [2 * K, 8 * K]),
+        graphs=args.graphs,
+        iters=args.iters or (50 if gpu else 5),
+        query_lens=args.query_len,
+        select=args.select,
+    )
+    try:
+        CPIndexConfig(world_size=spec.world)  # the heads (4) split over the ranks
+    except ValueError as e:
+        raise UsageError(f"--world {spec.world}: {first_error(e)}") from None
+    if max(spec.query_lens) > MAX_QUERY_LEN:
+        raise UsageError(f"--query-len: at most {MAX_QUERY_LEN} query tokens per request")
+    try:
+        ab.configs(spec, spec.world)
+    except ValueError as e:
+        raise UsageError(f"--rows/--context/--query-len: {first_error(e)}") from None
+    return spec
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -57,7 +91,7 @@ def main(args: argparse.Namespace) -> dict:
     }
     if args.kernel:
         if not gpu:
-            raise SystemExit("cpindex bench: --kernel needs a GPU")
+            raise UsageError("--kernel needs a GPU")
         res = kernel_sweep.run(
             fmts,
             args.rows or [1, 8, 32, 128],
@@ -71,28 +105,12 @@ def main(args: argparse.Namespace) -> dict:
         print(kernel_sweep.LEGEND)
         out = {"meta": meta, **res}
     else:
-        transports = [t for t in args.transports.split(",") if t]
-        if not gpu:  # ipc/mori cannot run on a CPU world: say so, run what can
-            skipped = [t for t in transports if t in ("ipc", "mori")]
-            transports = [t for t in transports if t not in skipped] or ["collective"]
-            if skipped:
-                print(f"CPU machine: skipping {', '.join(skipped)} (they need GPUs)")
-        spec = ab.Spec(
-            transports=transports,
-            world=4 if args.world is None else args.world,
-            formats=fmts,
-            rows=args.rows or ([1, 8, 32] if gpu else [1, 8]),
-            contexts=args.context or ([8 * K, 32 * K, 128 * K] if gpu else [2 * K, 8 * K]),
-            graphs=args.graphs,
-            iters=args.iters or (50 if gpu else 5),
-            query_len=_one_query_len(args.query_len),
-            select=args.select,
-        )
+        spec = ab_spec(args, gpu)
         rows = ab.run(spec)
         print(ab.table(rows, spec.transports))
         print(ab.legend(spec, rows))
         out = {"meta": meta, "spec": ab.as_dict(spec), "results": rows}
-        out["nccl_tests"] = _nccl_tests(args, rows, spec)
+        out["nccl_tests"] = _nccl_tests(args, rows, spec) if gpu else None
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
@@ -110,7 +128,7 @@ def _nccl_tests(args: argparse.Namespace, rows: list[dict], spec: ab.Spec) -> di
             "nccl-tests/rccl-tests: no alltoall_perf binary (--rccl-tests DIR, or on PATH); skipped"
         )
         return None
-    sizes = sorted({4 * r["rows"] * (r["context"] // 128) for r in rows})  # fp32 scores per rank
+    sizes = sorted({4 * r["rows"] * ab.blocks(r["context"]) for r in rows})  # fp32 scores per rank
     table = nccl_tests.run_binary(
         path,
         min_bytes=min(sizes),
