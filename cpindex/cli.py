@@ -184,8 +184,27 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="time capturable transports as CUDA graph replays of 8 calls",
     )
-    b.add_argument(
+    mode = b.add_mutually_exclusive_group()
+    mode.add_argument(
         "--kernel", action="store_true", help="time the fused kernel alone (one GPU) instead"
+    )
+    mode.add_argument(
+        "--write",
+        action="store_true",
+        help="time formats.write_keys (one GPU) against the copy bandwidth and an index-copy "
+        "of the same bytes; --rows counts keys a call writes (default: 32,256,65536)",
+    )
+    mode.add_argument(
+        "--host",
+        action="store_true",
+        help="host µs per eager call beside GPU µs: IndexCP.score_push/select_blocks (plan and "
+        "positional), the block_scores op, the kernel launcher and the Triton scorer (one GPU)",
+    )
+    mode.add_argument(
+        "--agree",
+        action="store_true",
+        help="the agreement hash's cost: score_push and select_blocks through ipc with "
+        "config.fingerprint off and on (the one-process world, --world ranks on one GPU)",
     )
     b.add_argument(
         "--iters",

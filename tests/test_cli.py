@@ -255,8 +255,10 @@ _CPU = not torch.cuda.is_available()
          "world_size (3) must divide one another"),
         (["demo", "--rows", "70000"], "cpindex demo: error: --rows 70000 --context 8192: "),
         (["bench", "--query-len", "1,9"], "cpindex bench: error: --query-len: at most 8"),
-        (["bench", "--formats", "nvfp4-vllm"], "cpindex bench: error: --formats nvfp4-vllm: only "
-         "with --kernel"),
+        (["bench", "--formats", "nvfp4-interleaved"], "cpindex bench: error: --formats "
+         "nvfp4-interleaved: only with --kernel"),
+        pytest.param(["bench", "--write"], "cpindex bench: error: --write needs a GPU",
+                     marks=pytest.mark.skipif(not _CPU, reason="CPU only")),
         pytest.param(["demo", "--transport", "ipc"], "cpindex demo: error: --transport ipc needs "
                      "GPUs", marks=pytest.mark.skipif(not _CPU, reason="a CPU machine's refusal")),
         pytest.param(["bench", "--transports", "ipc"], "cpindex bench: error: --transports ipc: "

@@ -11,9 +11,9 @@ import platform
 import torch
 
 from .. import kernels
-from ..cli import BENCH_EXTRA, GPU_TRANSPORTS, UsageError, first_error
+from ..cli import BENCH_EXTRA, FORMATS, GPU_TRANSPORTS, UsageError, first_error
 from ..config import MAX_QUERY_LEN, CPIndexConfig
-from . import ab, kernel_sweep, nccl_tests
+from . import ab, agree_cost, host_cost, kernel_sweep, nccl_tests, write_sweep
 
 K = 1024
 
@@ -48,8 +48,9 @@ def ab_spec(args: argparse.Namespace, gpu: bool) -> ab.Spec:
                 "a CPU machine only collective (or auto) runs"
             )
     fmts = args.formats.split(",")
-    if "nvfp4-vllm" in fmts:
-        raise UsageError("--formats nvfp4-vllm: only with --kernel (the kernel sweep)")
+    forms = [f for f in fmts if f not in FORMATS]
+    if forms:
+        raise UsageError(f"--formats {','.join(forms)}: only with --kernel (the kernel sweep)")
     if args.rccl_tests and not gpu:
         raise UsageError("--rccl-tests: the all-to-all comparison needs GPUs")
     spec = ab.Spec(
@@ -89,9 +90,42 @@ def main(args: argparse.Namespace) -> dict:
         "kernel_defines": kernels.build_defines(kernels.device_arch()) if gpu else [],
         "args": {k: v for k, v in vars(args).items() if k != "func"},
     }
-    if args.kernel:
-        if not gpu:
-            raise UsageError("--kernel needs a GPU")
+    gpu_only = [m for m in ("kernel", "write", "host", "agree") if getattr(args, m)]
+    if gpu_only and not gpu:
+        raise UsageError(f"--{gpu_only[0]} needs a GPU")
+    if args.write:
+        res = write_sweep.run(
+            [f for f in fmts if f in FORMATS], args.rows or [32, 256, 65536], args.iters or 20
+        )
+        print(write_sweep.table(res))
+        print(write_sweep.LEGEND)
+        out = {"meta": meta, **res}
+    elif args.host:
+        res = host_cost.run(
+            [f for f in fmts if f in FORMATS],
+            args.rows or [8],
+            args.context or [32 * K],
+            args.query_len if args.query_len != [1] else [4],
+            args.iters or 20,
+        )
+        print(host_cost.table(res))
+        print(host_cost.LEGEND)
+        out = {"meta": meta, **res}
+    elif args.agree:
+        shapes = [(r, c) for r in (args.rows or [8, 32]) for c in (args.context or [32 * K])]
+        if not (args.rows or args.context):
+            shapes = [(8, 32 * K), (32, 128 * K)]
+        res = agree_cost.run(
+            shapes,
+            max(args.query_len),
+            fmts[0],
+            args.iters or 50,
+            4 if args.world is None else args.world,
+        )
+        print(agree_cost.table(res))
+        print(agree_cost.LEGEND)
+        out = {"meta": meta, **res}
+    elif args.kernel:
         res = kernel_sweep.run(
             fmts,
             args.rows or [1, 8, 32, 128],
