@@ -64,15 +64,18 @@ CONCURRENT = (
 def static_blocks(block_table: object, width: object) -> int | None:
     """A call's blocks (``requests * width``) from its raw arguments, before validation, or
     None where they do not tell (the call is then taken as context-parallel)."""
-    if isinstance(block_table, Plan):
-        return block_table.blocks
-    if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
+    try:  # an exotic argument whose attributes raise is validation's to report, not this
+        if isinstance(block_table, Plan):
+            return block_table.blocks
+        if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
+            return None
+        if width is None:
+            width = block_table.shape[1]
+        if isinstance(width, bool) or not isinstance(width, int):
+            return None
+        return int(block_table.shape[0]) * width
+    except Exception:
         return None
-    if width is None:
-        width = block_table.shape[1]
-    if isinstance(width, bool) or not isinstance(width, int):
-        return None
-    return block_table.shape[0] * width
 
 
 class _Validator:
