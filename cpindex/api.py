@@ -110,6 +110,10 @@ class IndexCP:
     instance). Call every instance of a process from one thread, in the same order on every
     rank: a call while another thread is inside a call of any instance is refused.
 
+    Context parallelism pays from a size on: a call of fewer than :attr:`cp_min_blocks` blocks
+    (``requests * width``) is scored by each rank alone for its own heads, with the same results
+    in the same views and nothing exchanged (docs/design.md, "CP per call: the gate").
+
     A decode step's shared inputs go into a :class:`~cpindex.plan.Plan` once
     (:meth:`plan`); each layer's call then passes its queries, its cache, the plan and a tag::
 
