@@ -112,14 +112,15 @@ def test_both_sides_equal_the_reference_and_the_cp_path(fmt, t):
                     kernel_copy(v_, vals)
                     ids.fill_(-7)
                     _settle(comm)  # a selection below the gate may allocate: nobody pushes now
+            gated.check()
+            always.check()
+            for (p, _), kept in zip(cases, keep, strict=True):
                 out.append(
                     {
                         "uses_cp": gated.uses_cp((p.requests, p.width)),
                         **{k: tuple(x.cpu() for x in v) for k, v in kept.items()},
                     }
                 )
-            gated.check()
-            always.check()
             return out
 
     res = run_threads(W, body, device=DEV)
@@ -156,7 +157,10 @@ def test_below_the_gate_rank_0_calls_alone():
             ids = torch.empty(hpr, small.rows, TOPK, dtype=torch.int32, device=DEV)
             after = torch.empty(hpr, big.rows, big.width, device=DEV)
             count = torch.empty(2, dtype=torch.int64, device=DEV)
-            sargs = (small.rank_queries(r, W), small.index_cache, small.block_table, small.seq_lens)
+            sargs = (
+                small.rank_queries(r, W), small.index_cache, small.block_table, small.seq_lens,
+                0, 1, small.width,
+            )  # fmt: skip
             _settle(comm)
 
             def alone():
@@ -174,7 +178,10 @@ def test_below_the_gate_rank_0_calls_alone():
                 comm.barrier()
                 alone()
             _settle(comm)
-            bargs = (big.rank_queries(r, W), big.index_cache, big.block_table, big.seq_lens)
+            bargs = (
+                big.rank_queries(r, W), big.index_cache, big.block_table, big.seq_lens, 0, 1,
+                big.width,
+            )  # fmt: skip
             kernel_copy(after, cp.score_push(*bargs))
             _settle(comm)
             cp.check()
@@ -222,7 +229,10 @@ def test_a_bad_page_below_the_gate_is_that_ranks_own():
                 first = str(e)
             cp.check()  # raised once: cleared
             comm.barrier()
-            bargs = (big.rank_queries(r, W), big.index_cache, big.block_table, big.seq_lens)
+            bargs = (
+                big.rank_queries(r, W), big.index_cache, big.block_table, big.seq_lens, 0, 1,
+                big.width,
+            )  # fmt: skip
             kernel_copy(after, cp.score_push(*bargs))
             _settle(comm)
             cp.check()
@@ -271,6 +281,7 @@ def test_graph_replays_take_the_same_path():
             ]
             small, big = base
             paths = [cp.uses_cp(pl) for pl in plans]
+            _settle(comm)  # every rank's copies made before any push
 
             def calls():
                 a = cp.score_push(st[0][0], small.index_cache, plans[0]).clone()
