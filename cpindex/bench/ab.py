@@ -110,7 +110,6 @@ def _rank_job(comm: Comm, spec: Spec, device: torch.device) -> list[dict]:
                 max_rows=rows_max * spec.query_len,
                 max_query_len=spec.query_len,
                 max_width=width_max,
-                cp_min_blocks=0,  # the exchange at every size: the gate has its own sweep
             )
             cps[t] = IndexCP(cfg, device=device, comm=comm)
         for rows in spec.rows:
