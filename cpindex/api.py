@@ -7,13 +7,14 @@ from typing import Any, Literal, overload
 import torch
 import torch.distributed as dist
 
-from . import formats, lockstep
+from . import formats, gate, lockstep
 from .comm import Comm, TorchComm
 from .config import CPIndexConfig
 from .errors import ConfigMismatchError, CPIndexError, add_note
 from .plan import Plan
 from .runner import Runner
 from .transports import Context, candidates, select
+from .transports.local import LocalPath
 from .validation import check_topk
 
 
@@ -109,6 +110,10 @@ class IndexCP:
     instance). Call every instance of a process from one thread, in the same order on every
     rank: a call while another thread is inside a call of any instance is refused.
 
+    Context parallelism pays from a size on: a call of fewer than :attr:`cp_min_blocks` blocks
+    (``requests * width``) is scored by each rank alone for its own heads, with the same results
+    in the same views and nothing exchanged (docs/design.md, "CP per call: the gate").
+
     A decode step's shared inputs go into a :class:`~cpindex.plan.Plan` once
     (:meth:`plan`); each layer's call then passes its queries, its cache, the plan and a tag::
 
@@ -149,7 +154,11 @@ class IndexCP:
         self.heads_per_rank = self.config.heads_per_rank(comm.world_size)
         ctx = Context(self.config, comm, self.device, max(1, sharing))
         self._transport = select(ctx)
-        self._runner = Runner(self.config, comm, self._transport, instance, self.device)
+        self._local = LocalPath(ctx, self._transport)
+        self._gate = gate.resolve(self.config, comm, self.device, self._transport, self._local)
+        self._runner = Runner(
+            self.config, comm, self._transport, instance, self.device, self._local, self._gate
+        )
 
     # ---- properties -----------------------------------------------------------------------
     @property
@@ -162,6 +171,38 @@ class IndexCP:
         """Whether ``score_push`` and ``select_blocks`` may be captured in a CUDA/HIP graph
         with this transport."""
         return self.device.type == "cuda" and self._transport.capturable
+
+    @property
+    def cp_min_blocks(self) -> int:
+        """The resolved CP gate: calls of at least this many blocks (``requests * width``) go
+        context-parallel, smaller ones are scored by each rank alone for its own heads, with
+        the same results (``config.cp_min_blocks``, ``"auto"`` resolved; the same on every
+        rank; docs/design.md, "CP per call: the gate")."""
+        return self._gate.threshold
+
+    @property
+    def gate(self) -> gate.Gate:
+        """How :attr:`cp_min_blocks` was resolved (source and the model's inputs)."""
+        return self._gate
+
+    def uses_cp(self, plan_or_sizes: Plan | tuple[int, int]) -> bool:
+        """Whether calls with this plan, or of ``(requests, width)``, go context-parallel.
+        Static sizes only: the same answer on every rank and at every graph replay."""
+        if isinstance(plan_or_sizes, Plan):
+            return self._gate.uses_cp(plan_or_sizes.blocks)
+        if (
+            not isinstance(plan_or_sizes, tuple)
+            or len(plan_or_sizes) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in plan_or_sizes)
+        ):
+            raise TypeError(
+                "plan_or_sizes: expected a Plan or a (requests, width) pair of ints, got "
+                f"{plan_or_sizes!r}"
+            )
+        requests, width = plan_or_sizes
+        if requests < 1 or width < 1:
+            raise ValueError(f"plan_or_sizes: requests and width must be >= 1, got {plan_or_sizes}")
+        return self._gate.uses_cp(requests * width)
 
     @property
     def rank(self) -> int:
@@ -287,8 +328,13 @@ class IndexCP:
             iq, index_cache, block_table, seq_lens, init_blocks, local_blocks, width,
             query_len, tag,
         )  # fmt: skip
-        transport = self._transport
-        return self._runner.run("score_push", validate, lambda call, _: transport.score_push(call))
+        transport, local = self._transport, self._local
+        return self._runner.run(
+            "score_push",
+            validate,
+            lambda call, _: transport.score_push(call),
+            local=lambda call, _: local.score_push(call),
+        )
 
     @overload
     def select_blocks(
@@ -389,12 +435,13 @@ class IndexCP:
             iq, index_cache, block_table, seq_lens, init_blocks, local_blocks, width,
             query_len, tag,
         )  # fmt: skip
-        transport = self._transport
+        transport, local = self._transport, self._local
         ids, scores = self._runner.run(
             "select_blocks",
             validate,
             lambda call, extra: transport.select_blocks(call, extra["topk"]),
             lambda: {"topk": check_topk(self.config, topk, return_scores)},
+            local=lambda call, extra: local.select_blocks(call, extra["topk"]),
         )
         return (ids, scores) if return_scores else ids
 
@@ -409,7 +456,9 @@ class IndexCP:
     def check(self) -> None:
         """Raise an error recorded by an earlier call (timeouts, bad block tables, ranks whose
         block tables disagreed). Reads host memory only: cheap, and usable after graph
-        replays. Marks the instance broken too."""
+        replays. Marks the instance broken too, except for an error of a call below the CP
+        gate (this rank's own input, no peer involved): raised once, the instance stays
+        usable."""
         self._runner.check()
 
     def reset(self, timeout_s: float | None = None) -> None:

@@ -62,6 +62,23 @@ Int = Annotated[int, BeforeValidator(_not_bool)]
 Float = Annotated[float, BeforeValidator(_not_bool)]
 
 
+def _block_count_or_auto(v: object) -> object:
+    """``cp_min_blocks``: ``"auto"`` or a block count >= 0 (a string of digits from the
+    environment counts too); one clear message instead of a union's two."""
+    if v == "auto":
+        return v
+    if isinstance(v, str) and v.strip().isdigit():
+        return int(v)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError(f"expected a block count >= 0 or 'auto', got {v!r}")
+    return v
+
+
+#: A call's blocks (requests x width) from which it goes context-parallel; "auto" takes the
+#: threshold from the gate's model (``cpindex.gate``).
+CpMinBlocks = Annotated[int | Literal["auto"], BeforeValidator(_block_count_or_auto)]
+
+
 def _align256(n: int) -> int:
     return -(-n // 256) * 256
 
@@ -131,6 +148,13 @@ class CPIndexConfig(BaseModel):
         True,
         description="Compare a hash of the block-table entries and lengths each call reads "
         "(and, where ranks share a head, their queries) across ranks on every call.",
+    )
+    cp_min_blocks: CpMinBlocks = Field(
+        "auto",
+        description="A call goes context-parallel from this many blocks (requests x width; "
+        "both static sizes): below it each rank scores its own heads alone, with the same "
+        "results. 0: always context-parallel. 'auto': from the gate's model (docs/design.md, "
+        "'CP per call: the gate').",
     )
     max_buffer_bytes: Int = Field(
         DEFAULT_MAX_BUFFER_BYTES,

@@ -63,6 +63,12 @@ class Plan:
         return self.block_table.shape[0]
 
     @property
+    def blocks(self) -> int:
+        """The call's size as the CP gate counts it: ``requests * width``, both static sizes
+        every rank shares (docs/design.md, "CP per call: the gate")."""
+        return self.block_table.shape[0] * self.width
+
+    @property
     def rows(self) -> int:
         """Query rows a call with this plan takes: ``requests * query_len``."""
         return self.block_table.shape[0] * self.query_len

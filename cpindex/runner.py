@@ -1,7 +1,9 @@
 """The one path every call of an :class:`~cpindex.IndexCP` takes (docs/design.md, "Ranks in
 step"): one caller at a time, refused while broken, a previous call's recorded failure raised
-first, the input validated, the call's header agreed with every rank on host-lockstep
-transports, then the launch; and :meth:`Runner.reset`, which brings the ranks back.
+first, the input validated, then either the call below the CP gate (this rank alone:
+``transports/local.py``) or the call's header agreed with every rank on host-lockstep
+transports and the context-parallel launch; and :meth:`Runner.reset`, which brings the ranks
+back.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ from .errors import (
     PeerTimeoutError,
     add_note,
 )
+from .gate import Gate
 from .plan import Plan
 from .transports.base import Transport
+from .transports.local import LocalPath
 from .validation import Call, check_call, check_plan, check_planned
 
 R = TypeVar("R")
@@ -57,8 +61,35 @@ CONCURRENT = (
 )
 
 
+def static_blocks(block_table: object, width: object) -> int | None:
+    """A call's blocks (``requests * width``) from its raw arguments, before validation, or
+    None where they do not tell (the call is then taken as context-parallel)."""
+    try:  # an exotic argument whose attributes raise is validation's to report, not this
+        if isinstance(block_table, Plan):
+            return block_table.blocks
+        if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
+            return None
+        if width is None:
+            width = block_table.shape[1]
+        if isinstance(width, bool) or not isinstance(width, int):
+            return None
+        return int(block_table.shape[0]) * width
+    except Exception:
+        return None
+
+
+class _Validator:
+    """What validates one call, and the call's blocks where its raw arguments tell them."""
+
+    def __init__(self, fn: Callable[[], Call], blocks: int | None) -> None:
+        self.fn, self.blocks = fn, blocks
+
+    def __call__(self) -> Call:
+        return self.fn()
+
+
 class Runner:
-    """Per-call state of one instance: call count, broken state, reset rounds."""
+    """Per-call state of one instance: call count, broken state, reset rounds, the CP gate."""
 
     def __init__(
         self,
@@ -67,8 +98,11 @@ class Runner:
         transport: Transport,
         instance: int,
         device: torch.device,
+        local: LocalPath,
+        gate: Gate,
     ) -> None:
         self.config, self.comm, self.transport = config, comm, transport
+        self.local, self.gate = local, gate
         self.instance, self.device = instance, device
         self.rank, self.world = comm.rank, comm.world_size
         self.heads_per_rank = config.heads_per_rank(self.world)
@@ -93,6 +127,12 @@ class Runner:
             torch.zeros(1, dtype=torch.int64, device=device) if self.fingerprinting else None
         )
 
+    # ---- the gate ---------------------------------------------------------------------------
+    def uses_cp(self, blocks: int | None) -> bool:
+        """Whether a call of ``blocks`` (``requests * width``) goes context-parallel; None
+        (sizes unknown: arguments that will be refused) counts as context-parallel."""
+        return blocks is None or self.gate.uses_cp(blocks)
+
     # ---- validation -----------------------------------------------------------------------
     def new_fingerprint(self) -> torch.Tensor | None:
         """A fingerprint slot for a new plan, or None when calls compare none."""
@@ -103,7 +143,8 @@ class Runner:
     def plan(self, *args: Any) -> Plan:
         """:func:`check_plan` for :meth:`IndexCP.plan`. A refused plan with peers counts as
         this rank's refusal of its next call (they raise at once, this instance refuses calls
-        until reset), so that peers never wait out ``timeout_s`` for a call that won't come."""
+        until reset), so that peers never wait out ``timeout_s`` for a call that won't come.
+        Below the CP gate no peer waits for that call: the refusal is this rank's alone."""
         if self.closed:
             raise CPIndexError("plan on a closed IndexCP")
         try:
@@ -111,7 +152,8 @@ class Runner:
                 self.config, self.device, *args, fingerprint_out=self.new_fingerprint()
             )
         except (TypeError, ValueError) as e:
-            if self.world > 1 and self.broken is None:
+            peers_wait = self.uses_cp(static_blocks(args[0], args[4]))
+            if self.world > 1 and self.broken is None and peers_wait:
                 with self._locked("plan"):
                     self.calls += 1
                     self.refuse("plan", e)
@@ -129,8 +171,11 @@ class Runner:
         query_len: object,
         tag: object,
     ) -> Callable[[], Call]:
-        """What validates one call: the plan form or the positional form."""
+        """What validates one call: the plan form or the positional form. The result also
+        carries the call's blocks where the raw arguments tell them (``.blocks``), so that a
+        refused call is known to be below the CP gate or not."""
         cfg, hpr, dev = self.config, self.heads_per_rank, self.device
+        blocks = static_blocks(block_table, width)
         if isinstance(block_table, Plan):
             plan = block_table
             given = (seq_lens, init_blocks, local_blocks, width, query_len)
@@ -142,13 +187,18 @@ class Runner:
                         "counts), not both: the plan holds them"
                     )
 
-                return mixed
+                return _Validator(mixed, blocks)
             if self.fingerprinting and plan.fingerprint is None:
                 plan = plan.with_fingerprint(self._scratch_fp)  # type: ignore[arg-type]
-            return lambda: check_planned(cfg, hpr, dev, iq, index_cache, plan, tag)
-        return lambda: check_call(
-            cfg, hpr, dev, iq, index_cache, block_table, seq_lens, init_blocks, local_blocks,
-            width, query_len, tag, fingerprint_out=self._scratch_fp,
+            return _Validator(
+                lambda: check_planned(cfg, hpr, dev, iq, index_cache, plan, tag), blocks
+            )
+        return _Validator(
+            lambda: check_call(
+                cfg, hpr, dev, iq, index_cache, block_table, seq_lens, init_blocks,
+                local_blocks, width, query_len, tag, fingerprint_out=self._scratch_fp,
+            ),
+            blocks,
         )  # fmt: skip
 
     # ---- the call ---------------------------------------------------------------------------
@@ -173,10 +223,17 @@ class Runner:
         validate: Callable[[], Call],
         launch: Callable[[Call, dict[str, Any]], R],
         extra: Callable[[], dict[str, Any]] | None = None,
+        local: Callable[[Call, dict[str, Any]], R] | None = None,
     ) -> R:
         """One call. ``validate`` returns the call, ``extra`` the operation's own checked
-        arguments (they join the header); ``launch`` runs it. Any failure once peers may be
-        waiting marks the instance broken until :meth:`reset`."""
+        arguments (they join the header); ``launch`` runs it context-parallel, ``local`` below
+        the CP gate. Any failure once peers may be waiting marks the instance broken until
+        :meth:`reset`.
+
+        Below the gate nothing is exchanged, so no peer waits on this rank: a call this rank
+        refuses (bad input, or a device error an earlier call below the gate recorded) is not
+        made, is not counted and leaves the instance usable; the peers never hear of it. Every
+        rank decides alike from static sizes, so the call counts stay aligned."""
         with self._locked(what):
             if self.broken is not None:
                 e = self.broken
@@ -185,18 +242,41 @@ class Runner:
                     f"({type(e).__name__}: {e}). Ranks may be out of step; call reset() on "
                     "every rank to go on."
                 ) from e
-            refused_alone = False  # bad input with no peer waiting: the instance stays usable
+            # Known before validation where the raw arguments tell it, exact after it.
+            gated = local is not None and not self.uses_cp(getattr(validate, "blocks", None))
+            usable = False  # a failure no peer waits on: the instance stays usable
             try:
                 self.calls += 1
+                pending = None
                 try:
                     self.transport.check()  # a previous call's recorded failure, no sync
+                    pending = self.local.take_error()  # one a call below the gate recorded
+                    if pending is not None:
+                        raise pending
                     call = validate()
+                    gated = local is not None and not self.uses_cp(call.plan.blocks)
                     args = extra() if extra is not None else {}
                 except Exception as e:
-                    refused_alone = self.world == 1 and isinstance(e, (TypeError, ValueError))
-                    if not refused_alone:
+                    own = e is pending or isinstance(e, (TypeError, ValueError))
+                    if gated:  # no peer waits: never a refusal round
+                        if own:
+                            self.calls -= 1
+                            usable = True
+                        raise
+                    usable = self.world == 1 and own
+                    if not usable:
                         self.refuse(what, e)
                     raise
+                if gated:
+                    assert local is not None
+                    out = local(call, args)
+                    if self.config.error_check == "sync" and self.device.type == "cuda":
+                        torch.cuda.current_stream(self.device).synchronize()
+                        pending = self.local.take_error()
+                        if pending is not None:
+                            usable = True  # this rank's own input: the call counts, as the peers'
+                            raise pending
+                    return out
                 if self.transport.host_lockstep:
                     header = lockstep.call_header(
                         what, self.instance, self.calls, call, self.digest, args,
@@ -226,7 +306,7 @@ class Runner:
                     self.transport.check()
                 return out
             except BaseException as e:
-                if self.broken is None and not refused_alone:
+                if self.broken is None and not usable:
                     self.broken = e
                 raise
 
@@ -252,6 +332,9 @@ class Runner:
             if self.broken is None:
                 self.broken = e
             raise
+        pending = self.local.take_error()
+        if pending is not None:  # a call below the gate: this rank's own, the instance stays usable
+            raise pending
 
     def reset(self, timeout_s: float | None) -> None:
         timeout = self.config.timeout_s if timeout_s is None else timeout_s
@@ -272,6 +355,7 @@ class Runner:
                         "instance and rebuild the group."
                     )
                 self.transport.reset()
+                self.local.clear()
             except BaseException as e:
                 self.broken = self.broken or e
                 raise

@@ -29,7 +29,7 @@ def test_digest_is_stable_and_covers_exactly_the_shared_fields():
     shared = dict(
         transport="collective", world_size=2, num_heads=8, cache_format="fp8", max_rows=17,
         max_query_len=4, max_width=333, max_topk=8, sm_scale=0.5, prefer_mori=True,
-        ipc_self_test=False, fingerprint=False,
+        ipc_self_test=False, fingerprint=False, cp_min_blocks=64,
     )  # fmt: skip
     assert set(shared) | CPIndexConfig.LOCAL_FIELDS | {"head_dim", "block_size"} == set(
         CPIndexConfig.model_fields

@@ -1,4 +1,5 @@
-"""The production path: one process per GPU over NCCL, worlds of 2 and 4.
+"""The production path: one process per GPU over NCCL, worlds of 2 and 4. Every call goes
+through the exchange (``cp_min_blocks=0``; the gate has its own tests).
 
 ``ipc`` (IPC handles, peer writes over NVLink, device-side counts) and ``collective`` (NCCL)
 against the reference and each other, graph capture and replay, and the late-peer timeout.
@@ -31,7 +32,9 @@ def _suite(rank: int, world: int, path: str) -> None:
     outs = {}
     for t in ("ipc", "collective"):
         for p in probs:
-            cfg = CPIndexConfig(transport=t, cache_format=p.fmt, max_rows=32, max_width=512)
+            cfg = CPIndexConfig(
+                transport=t, cache_format=p.fmt, max_rows=32, max_width=512, cp_min_blocks=0
+            )
             with IndexCP(cfg, device=dev) as cp:
                 assert cp.transport_name == t
                 got = cp.score_push(
@@ -52,7 +55,9 @@ def _suite(rank: int, world: int, path: str) -> None:
 
     # graph capture: 2 calls per graph, 200 replays with q changed in place
     p = probs[2]
-    with IndexCP(CPIndexConfig(transport="ipc", max_rows=32, max_width=512), device=dev) as cp:
+    with IndexCP(
+        CPIndexConfig(transport="ipc", max_rows=32, max_width=512, cp_min_blocks=0), device=dev
+    ) as cp:
         q = p.rank_queries(rank, world).clone()
         args = (p.index_cache, p.block_table, p.seq_lens, 0, 1, p.width)
         cp.score_push(q, *args)
@@ -74,7 +79,7 @@ def _suite(rank: int, world: int, path: str) -> None:
         report["graph_replays"] = 200
 
     # late peer: the last rank skips one call
-    cfg = CPIndexConfig(transport="ipc", max_rows=32, max_width=512, timeout_s=1.0)
+    cfg = CPIndexConfig(transport="ipc", max_rows=32, max_width=512, timeout_s=1.0, cp_min_blocks=0)
     with IndexCP(cfg, device=dev) as cp:
         p = probs[1]
         q = p.rank_queries(rank, world)

@@ -81,7 +81,7 @@ def has_plan() -> bool:
 def _config(transport: str, fmt: str, rows: int, t: int, width: int, fingerprint: bool | None):
     from ..config import CPIndexConfig
 
-    kw: dict = {}
+    kw: dict = {"cp_min_blocks": 0}  # one rank: the transport's path, not the gate's local one
     if fingerprint is not None:
         if "fingerprint" not in CPIndexConfig.model_fields:
             raise SystemExit("cpindex bench --host: this cpindex has no config field 'fingerprint'")

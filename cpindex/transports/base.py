@@ -99,16 +99,28 @@ class Transport(ABC):
         )
         if fence:
             ctx.comm.barrier()
-        outputs = self.__dict__.get("_select_outputs")
-        if outputs is None:
-            outputs = self._select_outputs = selection.Outputs(
-                ctx.config, ctx.heads_per_rank, ctx.device
-            )
-        ids, vals = outputs.views(call.plan.rows, topk)
+        ids, vals = self.selected_out(call.plan.rows, topk)
         selection.select(scores, topk, ids, vals)
         if fence:
             ctx.comm.barrier()
         return ids, vals
+
+    def scores_out(self, rows: int, width: int) -> torch.Tensor:
+        """The float32 ``[heads_per_rank, rows, width]`` view ``score_push`` returns for a call
+        of this size (the calls below the CP gate write the same view: ``transports/local.py``)."""
+        raise NotImplementedError(f"transport '{self.name}' does not expose its score buffer")
+
+    def selected_out(self, rows: int, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The int32 ids and float32 scores views ``[heads_per_rank, rows, topk]`` that
+        ``select_blocks`` returns for a call of this size. This default's buffers are made on
+        first use; a transport with its own result buffers overrides it."""
+        outputs = self.__dict__.get("_select_outputs")
+        if outputs is None:
+            ctx = self.ctx
+            outputs = self._select_outputs = selection.Outputs(
+                ctx.config, ctx.heads_per_rank, ctx.device
+            )
+        return outputs.views(rows, topk)
 
     def exchange_bytes(self, rows: int, width: int, topk: int | None = None) -> int:
         """Bytes this rank sends its peers in one call's score or candidate exchange:

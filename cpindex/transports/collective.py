@@ -136,7 +136,7 @@ class CollectiveTransport(Transport):
         self._collective(
             "all-to-all of scores", self.ctx.comm.all_to_all_into, recv, send.view(w, hpr, rows, kw)
         )
-        out = self._out[: hpr * rows * width].view(hpr, rows, width)
+        out = self.scores_out(rows, width)
         # Column src + W*k of the output is column k of rank src's shard.
         out.copy_(recv.permute(1, 2, 3, 0).reshape(hpr, rows, kw * w)[:, :, :width])
         if self._bad is not None:
@@ -162,12 +162,19 @@ class CollectiveTransport(Transport):
             send.reshape(w, hpr, rows, topk),
         )
         merged = recv.permute(1, 2, 0, 3).reshape(hpr, rows, w * topk)
-        ids, scores = self._selected.views(rows, topk)
+        ids, scores = self.selected_out(rows, topk)
         selection.finish(selection.top_keys(merged, topk), ids, scores)
         if self._bad is not None:
             scores.masked_fill_(self._bad, float("nan"))
             ids.masked_fill_(self._bad, -1)
         return ids, scores
+
+    def scores_out(self, rows: int, width: int) -> torch.Tensor:
+        hpr = self.ctx.heads_per_rank
+        return self._out[: hpr * rows * width].view(hpr, rows, width)
+
+    def selected_out(self, rows: int, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._selected.views(rows, topk)
 
     def exchange_bytes(self, rows: int, width: int, topk: int | None = None) -> int:
         cfg, w = self.ctx.config, self.ctx.world

@@ -259,6 +259,10 @@ class PushEngine:
             push=self.push_image,
             tag=call.tag,
         )
+        return self.scores_view(rows, width)
+
+    def scores_view(self, rows: int, width: int) -> torch.Tensor:
+        """The ``[hpr, rows, width]`` view of this rank's receive buffer a call returns."""
         return self.recv[: self.hpr * rows * width].view(self.hpr, rows, width)
 
     def self_test(self) -> tuple[bool, str]:
@@ -340,6 +344,14 @@ class PeerPushTransport(Transport):
         if topk <= structs.MAX_FUSED_TOPK:
             return self.engine.select_blocks(call, topk)  # type: ignore[union-attr]
         return super().select_blocks(call, topk)
+
+    def scores_out(self, rows: int, width: int) -> torch.Tensor:
+        return self.engine.scores_view(rows, width)  # type: ignore[union-attr]
+
+    def selected_out(self, rows: int, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if topk <= structs.MAX_FUSED_TOPK:
+            return self.engine.selected.views(rows, topk)  # type: ignore[union-attr]
+        return super().selected_out(rows, topk)
 
     def exchange_bytes(self, rows: int, width: int, topk: int | None = None) -> int:
         if topk is not None and topk <= structs.MAX_FUSED_TOPK:

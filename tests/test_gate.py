@@ -1,0 +1,379 @@
+"""The CP gate on the CPU (docs/design.md, "CP per call: the gate"): real gloo processes.
+
+One spawn of 4 processes runs every scenario on the world group (W = 4) and then on a group of
+ranks 0 and 1 (W = 2); the checks run here, in the test process. A threshold of
+:data:`THRESHOLD` blocks (``requests * width``) splits the cases: both paths must equal the
+reference bit for bit (on the CPU both score with it), in the transport's own views; below the
+gate a call takes no header round, completes while its peers make no call, and a rank's bad
+input there stays its own; at or above it the lockstep checks still hold.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cpindex import CPIndexConfig, IndexCP, partition, reference, testing
+from cpindex.comm import TorchComm
+from cpindex.spawn import spawn_processes
+from cpindex.world import run_threads
+
+THRESHOLD = 24
+TOPK = 4
+SPAWN_TIMEOUT_S = 120.0  # a failure bound for the whole spawn, not its expected time
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    requests: int
+    width: int
+    query_len: int
+    fmt: str = "nvfp4"
+    heads: int = 4
+    init: int = 0
+    local: int = 1
+
+    @property
+    def cp(self) -> bool:
+        return self.requests * self.width >= THRESHOLD
+
+    def problem(self) -> testing.Problem:
+        p = testing.make_problem(
+            self.requests, (self.width - 2) * 128 + 5, self.fmt, query_len=self.query_len,
+            num_heads=self.heads, seed=sum(self.name.encode()),
+        )  # fmt: skip
+        p.width = self.width  # past the longest request's blocks: -inf columns too
+        return p
+
+
+CASES = (
+    Case("T1-below", 2, 11, 1),  # 22 blocks
+    Case("T1-at", 2, 12, 1),  # 24: context-parallel from here
+    Case("T4-below", 1, 20, 4, init=1),
+    Case("T4-above", 3, 12, 4, local=2),
+    Case("fp8-replicated-below", 2, 9, 1, fmt="fp8", heads=2),  # W = 4: two ranks per head
+    Case("fp8-replicated-above", 3, 10, 4, fmt="fp8", heads=2),
+)
+SMALL = Case("small", 2, 10, 1)  # 20 blocks: below
+BIG = Case("big", 2, 14, 1)  # 28 blocks: above
+
+
+def _cfg(fmt: str = "nvfp4", heads: int = 4, **kw: Any) -> CPIndexConfig:
+    base = dict(
+        cache_format=fmt, num_heads=heads, max_rows=16, max_width=24, max_topk=16,
+        cp_min_blocks=THRESHOLD, timeout_s=5.0,
+    )  # fmt: skip
+    return CPIndexConfig(**{**base, **kw})
+
+
+def _args(p: testing.Problem, case: Case, rank: int, world: int) -> tuple:
+    return (
+        p.rank_queries(rank, world), p.index_cache, p.block_table, p.seq_lens, case.init,
+        case.local, p.width,
+    )  # fmt: skip
+
+
+def _rounds(cp: IndexCP) -> int:
+    """Header rounds this group has taken so far (every context-parallel call takes one)."""
+    return cp.comm.counters.get("call", 0)
+
+
+def _expect(name: str, fn) -> str:
+    """Runs ``fn``; the name of the exception it raised (with its message), or 'none'."""
+    try:
+        fn()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "none"
+
+
+# ---- the ranks ------------------------------------------------------------------------------
+
+
+def _calls(rank: int, world: int, group) -> dict:
+    """Every case, score_push and select_blocks, with a plan and positionally; outputs kept
+    with where they live and whether a header round ran."""
+    out: dict[str, Any] = {}
+    cps: dict[tuple[str, int], IndexCP] = {}
+    for case in CASES:
+        if case.heads < 4 and world < 4:
+            continue
+        key = (case.fmt, case.heads)
+        if key not in cps:
+            cps[key] = IndexCP(_cfg(case.fmt, case.heads), group=group, device="cpu")
+        cp = cps[key]
+        p = case.problem()
+        args = _args(p, case, rank, world)
+        plan = cp.plan(
+            p.block_table, p.seq_lens, query_len=case.query_len, init_blocks=case.init,
+            local_blocks=case.local, width=p.width,
+        )  # fmt: skip
+        t = cp._transport
+        before = _rounds(cp)
+        scores = cp.score_push(args[0], args[1], plan, tag=7)
+        kept = scores.clone()  # the view is the next call's too
+        after_push = _rounds(cp)
+        ids, vals = cp.select_blocks(*args, query_len=case.query_len, topk=TOPK, return_scores=True)
+        after_select = _rounds(cp)
+        again = cp.score_push(*args, query_len=case.query_len)  # positional form
+        out[case.name] = {
+            "uses_cp": cp.uses_cp(plan),
+            "uses_cp_sizes": cp.uses_cp((case.requests, case.width)),
+            "scores": kept,
+            "again": again.clone(),
+            "ids": ids.clone(),
+            "vals": vals.clone(),
+            "rounds": [after_push - before, after_select - after_push],
+            "same_views": [
+                scores.data_ptr() == t.scores_out(p.rows, p.width).data_ptr(),
+                ids.data_ptr() == t.selected_out(p.rows, TOPK)[0].data_ptr(),
+                vals.data_ptr() == t.selected_out(p.rows, TOPK)[1].data_ptr(),
+            ],
+        }
+    for cp in cps.values():
+        out["threshold"] = cp.cp_min_blocks
+        cp.close()
+    return out
+
+
+def _lone(rank: int, world: int, group) -> dict:
+    """Below the gate, rank 0 calls while its peers make no call: they wait for it at a
+    barrier, so a call that waited for them would never return (it would time out). Then the
+    peers make the same call, and a context-parallel call finds every rank in step."""
+    res: dict[str, Any] = {}
+    with IndexCP(_cfg(), group=group, device="cpu") as cp:
+        p, pb = SMALL.problem(), BIG.problem()
+        if rank == 0:
+            t0 = time.monotonic()
+            res["lone"] = cp.score_push(*_args(p, SMALL, rank, world)).clone()
+            res["lone_s"] = time.monotonic() - t0
+            dist.barrier(group=group)
+        else:
+            dist.barrier(group=group)
+            time.sleep(0.1)  # rank 0 is done and gone on meanwhile
+            res["lone"] = cp.score_push(*_args(p, SMALL, rank, world)).clone()
+        res["after"] = cp.score_push(*_args(pb, BIG, rank, world)).clone()
+    return res
+
+
+def _refusals(rank: int, world: int, group) -> dict:
+    """A rank's bad input below the gate is its own: it raises there only, is not counted, and
+    the instance goes on; tags are not compared below the gate. At or above it, the lockstep
+    checks hold: other tags, other shapes."""
+    res: dict[str, Any] = {}
+    with IndexCP(_cfg(), group=group, device="cpu") as cp:
+        p, pb = SMALL.problem(), BIG.problem()
+        args = _args(p, SMALL, rank, world)
+        if rank == 0:
+            bad = (args[0].float(), *args[1:])
+            res["bad_input"] = _expect("bad iq", lambda: cp.score_push(*bad))
+            res["bad_plan"] = _expect(
+                "bad plan", lambda: cp.plan(p.block_table.long(), p.seq_lens, width=p.width)
+            )
+        res["good"] = cp.score_push(*args).clone()
+        res["tags_below"] = _expect("tags", lambda: cp.score_push(*args, tag=100 + rank))
+        bargs = _args(pb, BIG, rank, world)
+        res["after"] = cp.score_push(*bargs).clone()
+        res["tags_above"] = _expect("tags", lambda: cp.score_push(*bargs, tag=100 + rank))
+        cp.reset()
+        if rank == 0:  # a wider call on rank 0: both above the gate, other shapes
+            wide = (*bargs[:-1], BIG.width + 1)
+            res["shapes_above"] = _expect("shapes", lambda: cp.score_push(*wide))
+        else:
+            res["shapes_above"] = _expect("shapes", lambda: cp.score_push(*bargs))
+        cp.reset()
+        res["after_reset"] = cp.score_push(*bargs).clone()
+    return res
+
+
+def _construction(rank: int, world: int, group) -> dict:
+    """cp_min_blocks is shared: a rank with another value makes every rank refuse the
+    construction. ``auto`` on the CPU resolves to 0 (every call goes through the exchange)."""
+    res: dict[str, Any] = {}
+    res["differs"] = _expect(
+        "differs", lambda: IndexCP(_cfg(cp_min_blocks=THRESHOLD + rank), group=group, device="cpu")
+    )
+    mixed = "auto" if rank == 0 else 0
+    res["auto_vs_0"] = _expect(
+        "auto vs 0", lambda: IndexCP(_cfg(cp_min_blocks=mixed), group=group, device="cpu")
+    )
+    with IndexCP(_cfg(cp_min_blocks="auto"), group=group, device="cpu") as cp:
+        res["auto"] = (cp.cp_min_blocks, cp.gate.source, cp.uses_cp((1, 1)))
+    return res
+
+
+def gloo_rank(rank: int, world: int, out_dir: str) -> None:
+    torch.set_num_threads(1)  # 4 processes share CI's cores
+    pair = dist.new_group([0, 1])  # every rank takes part in making it
+    res: dict[Any, Any] = {}
+    try:
+        for w, group in ((4, None), (2, pair)):
+            if rank < w:
+                res[w] = {
+                    "calls": _calls(rank, w, group),
+                    "lone": _lone(rank, w, group),
+                    "refusals": _refusals(rank, w, group),
+                    "construction": _construction(rank, w, group),
+                    "comm_rank": TorchComm(group).rank,
+                }
+            dist.barrier()
+    except BaseException:
+        res = {"error": traceback.format_exc()}
+    torch.save(res, Path(out_dir) / f"rank{rank}.pt")
+
+
+# ---- the checks -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict]:
+    """Every rank's results, from one spawn for the whole module (a failure is cached too)."""
+    d = tmp_path_factory.mktemp("gate-gloo")
+    spawn_processes(4, gloo_rank, str(d), backend="gloo", timeout_s=SPAWN_TIMEOUT_S)
+    got = [torch.load(d / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    for r, res in enumerate(got):
+        assert "error" not in res, f"rank {r} failed:\n{res['error']}"
+    return got
+
+
+@functools.cache
+def _reference(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every head's reference scores, ids and values for ``case``."""
+    p = case.problem()
+    kw = dict(
+        init_blocks=case.init, local_blocks=case.local, width=p.width,
+        query_len=case.query_len,
+    )  # fmt: skip
+    scores = reference.block_scores(p.q, p.index_cache, p.block_table, p.seq_lens, **kw)
+    ids, vals = reference.select_blocks(
+        p.q, p.index_cache, p.block_table, p.seq_lens, **kw, topk=TOPK, return_scores=True
+    )
+    return scores, ids, vals
+
+
+def _want(case: Case, rank: int, world: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s heads' rows of the reference."""
+    heads = partition.heads_of_rank(rank, case.heads, world)
+    scores, ids, vals = _reference(case)
+    return {"scores": scores[heads], "ids": ids[heads], "vals": vals[heads]}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_both_paths_equal_the_reference(results, world):
+    for rank in range(world):
+        calls = results[rank][world]["calls"]
+        assert calls["threshold"] == THRESHOLD
+        for case in CASES:
+            if case.heads < 4 and world < 4:
+                continue
+            got, want = calls[case.name], _want(case, rank, world)
+            where = f"rank {rank}/{world}, {case.name}"
+            assert got["uses_cp"] == got["uses_cp_sizes"] == case.cp, where
+            for k in ("scores", "ids", "vals"):
+                assert torch.equal(got[k], want[k]), f"{where}: {k} differ from the reference"
+            assert torch.equal(got["again"], want["scores"]), where
+            # the same views as the transport's, and a header round exactly when CP
+            assert got["same_views"] == [True, True, True], where
+            assert got["rounds"] == ([1, 1] if case.cp else [0, 0]), where
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_below_the_gate_a_call_needs_no_peer(results, world):
+    for rank in range(world):
+        lone = results[rank][world]["lone"]
+        want_small = _want(SMALL, rank, world)["scores"]
+        want_big = _want(BIG, rank, world)["scores"]
+        assert torch.equal(lone["lone"], want_small), rank
+        assert torch.equal(lone["after"], want_big), rank
+    assert results[0][world]["lone"]["lone_s"] < 5.0  # well inside timeout_s: nothing waited
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_refusals_below_stay_local_and_lockstep_holds_above(results, world):
+    for rank in range(world):
+        res = results[rank][world]["refusals"]
+        if rank == 0:
+            assert res["bad_input"].startswith("TypeError: iq: expected"), res["bad_input"]
+            assert res["bad_plan"].startswith("TypeError: block_table"), res["bad_plan"]
+        assert torch.equal(res["good"], _want(SMALL, rank, world)["scores"])
+        assert res["tags_below"] == "none", res["tags_below"]  # nothing is compared below
+        big = _want(BIG, rank, world)["scores"]
+        assert torch.equal(res["after"], big)
+        assert res["tags_above"].startswith("OutOfStepError") and "tag 10" in res["tags_above"]
+        assert res["shapes_above"].startswith("OutOfStepError"), res["shapes_above"]
+        assert "width" in res["shapes_above"], res["shapes_above"]
+        assert torch.equal(res["after_reset"], big)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_cp_min_blocks_is_shared_and_auto_is_0_on_cpu(results, world):
+    for rank in range(world):
+        res = results[rank][world]["construction"]
+        assert res["differs"].startswith("ConfigMismatchError"), res["differs"]
+        assert "cp_min_blocks" in res["differs"]
+        assert res["auto_vs_0"].startswith("ConfigMismatchError"), res["auto_vs_0"]
+        assert res["auto"] == (0, "shared device", True)
+
+
+def test_one_rank_never_goes_context_parallel():
+    """W = 1: ``auto`` scores locally (no header round); an explicit 0 still takes the
+    exchange's path. Both equal the reference."""
+    case = Case("one-rank", 2, 12, 2, init=1)
+    p = case.problem()
+    want = _want(case, 0, 1)
+
+    def body(comm):
+        out = {}
+        for value in ("auto", 0):
+            with IndexCP(_cfg(cp_min_blocks=value), device="cpu", comm=comm) as cp:
+                before = _rounds(cp)
+                got = cp.score_push(*_args(p, case, 0, 1), query_len=case.query_len).clone()
+                ids, vals = cp.select_blocks(
+                    *_args(p, case, 0, 1), query_len=case.query_len, topk=TOPK,
+                    return_scores=True,
+                )  # fmt: skip
+                out[value] = (cp.cp_min_blocks, _rounds(cp) - before, got, ids.clone(), vals)
+        return out
+
+    out = run_threads(1, body)[0]
+    never = 16 * 24 + 1  # max_rows * max_width + 1: past every call
+    assert out["auto"][:2] == (never, 0) and out[0][:2] == (0, 2)
+    for value in ("auto", 0):
+        _, _, got, ids, vals = out[value]
+        assert torch.equal(got, want["scores"]) and torch.equal(ids, want["ids"]), value
+        assert torch.equal(vals, want["vals"]), value
+
+
+def test_uses_cp_refuses_bad_sizes():
+    def body(comm):
+        with IndexCP(_cfg(), device="cpu", comm=comm) as cp:
+            return [
+                _expect("t", lambda: cp.uses_cp((1, 2, 3))),
+                _expect("t", lambda: cp.uses_cp((0, 5))),
+                _expect("t", lambda: cp.uses_cp(5)),
+                cp.uses_cp((2, 12)),
+                cp.uses_cp((2, 11)),
+            ]
+
+    got = run_threads(1, body)[0]
+    assert got[0].startswith("TypeError: plan_or_sizes") and got[2].startswith("TypeError")
+    assert got[1].startswith("ValueError: plan_or_sizes")
+    assert got[3:] == [True, False]
+
+
+def test_config_field():
+    assert CPIndexConfig().cp_min_blocks == "auto"
+    assert CPIndexConfig.from_env({"CPINDEX_CP_MIN_BLOCKS": "4096"}).cp_min_blocks == 4096
+    assert CPIndexConfig.from_env({"CPINDEX_CP_MIN_BLOCKS": "auto"}).cp_min_blocks == "auto"
+    for bad in (-1, True, 2.5, "some", None):
+        with pytest.raises(ValueError, match="cp_min_blocks"):
+            CPIndexConfig(cp_min_blocks=bad)
