@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -141,7 +142,7 @@ def test_counts_below_one_are_refused_by_name(capsys, args, says):
     assert says in err, err
 
 
-def test_bench_cpu_writes_json(tmp_path):
+def test_bench_cpu_writes_json(capsys, tmp_path, monkeypatch):
     """`cpindex bench` on a CPU machine: collective + scoring + no-CP baseline, JSON out; the
     table printed once with its legend; no temporary file left behind or named in the JSON.
     A context that is not a whole number of blocks (1000 tokens: the last block partial) and a
@@ -150,24 +151,26 @@ def test_bench_cpu_writes_json(tmp_path):
     out = tmp_path / "bench.json"
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    proc = _cpindex("bench", "--world", "2", "--rows", "1,3", "--context", "1000", "--iters", "2",
-                    "--query-len", "1,2", "--out", str(out), env={"TMPDIR": str(tmp)},
-                    timeout=180)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    lines = proc.stdout.splitlines()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    argv = ["bench", "--world", "2", "--rows", "1,3", "--context", "1000", "--iters", "2",
+            "--query-len", "1,2", "--out", str(out)]  # fmt: skip
+    code, stdout, err = _main(capsys, *argv)
+    assert code == 0, err[-2000:]
+    lines = stdout.splitlines()
     headers = [i for i, ln in enumerate(lines) if "collective us" in ln and "no-CP us" in ln]
-    assert len(headers) == 1, proc.stdout
+    assert len(headers) == 1, stdout
     body = lines[headers[0] + 1 : headers[0] + 5]
     assert [ln.split()[:4] for ln in body] == [
         ["nvfp4", "1", "1", "1000"], ["nvfp4", "1", "2", "1000"],
         ["nvfp4", "3", "1", "1000"], ["nvfp4", "3", "2", "1000"],
-    ], proc.stdout  # fmt: skip
-    assert sum(ln.lstrip().startswith("nvfp4") for ln in lines) == 4, proc.stdout
-    assert sum(ln.startswith("copy bandwidth: ") for ln in lines) == 1, proc.stdout
+    ], stdout  # fmt: skip
+    assert sum(ln.lstrip().startswith("nvfp4") for ln in lines) == 4, stdout
+    assert sum(ln.startswith("copy bandwidth: ") for ln in lines) == 1, stdout
     for word in ("  x ", "  GB/s ", "  score ", "  % copy ", "  no-CP "):  # the legend
-        assert any(ln.startswith(word) for ln in lines), (word, proc.stdout)
+        assert any(ln.startswith(word) for ln in lines), (word, stdout)
     for noise in ("Selection", "select", "alltoall_perf", "nccl-tests", "ipc", "skipping"):
-        assert noise not in proc.stdout, (noise, proc.stdout)
+        assert noise not in stdout, (noise, stdout)
     assert list(tmp.iterdir()) == []
     text = out.read_text()
     assert "results_path" not in text and str(tmp) not in text
@@ -186,15 +189,16 @@ def test_bench_cpu_writes_json(tmp_path):
         assert r["copy_gbs"] > 0 and 0 < r["scan_bytes_rank0"] <= r["scan_bytes_rank"]
 
 
-def test_bench_cpu_select_prints_bytes_beside_times(tmp_path):
+def test_bench_cpu_select_prints_bytes_beside_times(capsys, tmp_path):
     """`cpindex bench --select` on CPU: select_blocks beside score_push + topk, and the bytes of
     both exchanges; the candidate bytes do not change with the context."""
     out = tmp_path / "bench.json"
-    proc = _cpindex("bench", "--world", "2", "--rows", "2", "--context", "1k,4k", "--iters", "1",
-                    "--query-len", "4", "--select", "--out", str(out), timeout=180)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert sum("select us" in ln and "push+topk us" in ln for ln in proc.stdout.splitlines()) == 1
-    assert "Selection (topk 16)" in proc.stdout  # its legend, with --select only
+    argv = ["bench", "--world", "2", "--rows", "2", "--context", "1k,4k", "--iters", "1",
+            "--query-len", "4", "--formats", "fp8", "--select", "--out", str(out)]  # fmt: skip
+    code, stdout, err = _main(capsys, *argv)
+    assert code == 0, err[-2000:]
+    assert sum("select us" in ln and "push+topk us" in ln for ln in stdout.splitlines()) == 1
+    assert "Selection (topk 16)" in stdout  # its legend, with --select only
     rows = json.loads(out.read_text())["results"]
     assert [r["context"] for r in rows] == [1024, 4096]
     for r in rows:
