@@ -1,4 +1,6 @@
-"""The command line: ``python -m cpindex`` in a real subprocess."""
+"""The command line. Runs that start ranks: ``python -m cpindex`` in a real subprocess; what the
+parent decides alone (help, argument errors, refusals before any rank starts, info): ``main``
+in this process, which is the same code without a second interpreter start per check."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -25,6 +28,19 @@ def _cpindex(*args: str, timeout: float = 120, env: dict | None = None):
     )
 
 
+def _main(capsys, *argv: str) -> tuple[int, str, str]:
+    """``cpindex.cli.main(argv)`` in this process: its exit status (argparse's too), stdout and
+    stderr."""
+    from cpindex import cli
+
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as e:  # argparse: --help, --version, bad arguments
+        code = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def test_demo_two_ranks_matches():
     res = _cpindex("demo", "--world", "2", "--rows", "3", "--context", "1000")
     out = res.stdout + res.stderr
@@ -39,12 +55,12 @@ def test_demo_two_ranks_matches():
     assert all(ln[-2:] == ["yes", "same"] for ln in rank_lines), out
 
 
-def test_help():
-    res = _cpindex("--help", timeout=60)
-    assert res.returncode == 0, res.stderr
-    for word in ("demo", "bench", "info"):
-        assert word in res.stdout
-    assert "``" not in res.stdout  # no raw rST markup
+def test_help(capsys):
+    code, out, err = _main(capsys, "--help")
+    assert code == 0, err
+    for word in ("demo", "bench", "info", "--version"):
+        assert word in out
+    assert "``" not in out  # no raw rST markup
 
 
 def _options(parser: argparse.ArgumentParser):
@@ -56,56 +72,54 @@ def _options(parser: argparse.ArgumentParser):
             yield action
 
 
-def test_every_option_has_help_and_a_default_shown():
+def test_every_option_has_help_and_a_default_shown(capsys):
     for action in _options(build_parser()):
         assert action.help, action.option_strings
         # argparse appends "(default: X)"; where the default is None the help says it itself
         if action.default is None:
             assert "default:" in action.help, action.option_strings
-    res = _cpindex("bench", "--help", timeout=60)
-    assert res.returncode == 0, res.stderr
-    text = " ".join(res.stdout.split())
+    code, out, err = _main(capsys, "bench", "--help")
+    assert code == 0, err
+    text = " ".join(out.split())
     for shown in ("(default: collective,ipc on a GPU machine", "(default: 4; --kernel: 1",
                   "(default: nvfp4)",
                   "(default: True)", "cpindex[bench]"):  # fmt: skip
         assert shown in text, shown
 
 
-def test_info_names_one_pick():
-    res = _cpindex("info", timeout=60)
-    assert res.returncode == 0, res.stderr
-    picks = [ln for ln in res.stdout.splitlines() if ln.startswith("'auto' would pick:")]
-    assert len(picks) == 1, res.stdout
+def test_info_names_one_pick(capsys):
+    code, out, err = _main(capsys, "info")
+    assert code == 0, err
+    picks = [ln for ln in out.splitlines() if ln.startswith("'auto' would pick:")]
+    assert len(picks) == 1, out
     assert picks[0].count("collective") == 1, picks[0]
 
 
-def test_plot_without_matplotlib_fails_naming_the_extra(tmp_path):
-    """--plot fails at once, non-zero, when matplotlib cannot be imported (faked missing)."""
-    fake = tmp_path / "fake"
-    (fake / "matplotlib").mkdir(parents=True)
-    (fake / "matplotlib" / "__init__.py").write_text("raise ImportError('faked missing')\n")
+def test_plot_without_matplotlib_fails_naming_the_extra(capsys, tmp_path, monkeypatch):
+    """--plot fails at once (exit 2), naming the extra, when matplotlib cannot be imported
+    (``sys.modules`` entry None: the import raises ImportError), before anything is timed."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
     png = tmp_path / "out.png"
-    pythonpath = os.pathsep.join(filter(None, [str(fake), os.environ.get("PYTHONPATH")]))
-    res = _cpindex("bench", "--world", "2", "--rows", "1", "--context", "1k", "--iters", "1",
-                   "--plot", str(png), env={"PYTHONPATH": pythonpath}, timeout=60)  # fmt: skip
-    assert res.returncode != 0
-    assert "pip install cpindex[bench]" in res.stderr, res.stderr
+    code, out, err = _main(capsys, "bench", "--world", "2", "--rows", "1", "--context", "1k",
+                           "--iters", "1", "--plot", str(png))  # fmt: skip
+    assert code == 2
+    assert "pip install cpindex[bench]" in err, err
     assert not png.exists()
-    assert "collective us" not in res.stdout  # failed before timing anything
+    assert out == ""  # failed before timing anything
 
 
-def test_demo_help_lists_options():
-    res = _cpindex("demo", "--help", timeout=60)
-    assert res.returncode == 0, res.stderr
+def test_demo_help_lists_options(capsys):
+    code, out, err = _main(capsys, "demo", "--help")
+    assert code == 0, err
     for opt in ("--world", "--rows", "--context", "--format", "--transport", "--seed"):
-        assert opt in res.stdout
+        assert opt in out
 
 
 @pytest.mark.parametrize("args", [[], ["demo", "--format", "int4"], ["frobnicate"]])
-def test_bad_arguments_exit_2(args):
-    res = _cpindex(*args, timeout=60)
-    assert res.returncode == 2
-    assert "usage: cpindex" in res.stderr
+def test_bad_arguments_exit_2(capsys, args):
+    code, _, err = _main(capsys, *args)
+    assert code == 2
+    assert "usage: cpindex" in err
 
 
 @pytest.mark.parametrize(
@@ -120,15 +134,15 @@ def test_bad_arguments_exit_2(args):
         (["bench", "--query-len", "0"], "argument --query-len: '0': expected a comma list"),
     ],
 )
-def test_counts_below_one_are_refused_by_name(args, says):
+def test_counts_below_one_are_refused_by_name(capsys, args, says):
     """A zero or negative count is an argparse error naming the option (exit 2), before any
     rank starts: not a silent success or a traceback from deep inside."""
-    res = _cpindex(*args, timeout=60)
-    assert res.returncode == 2, res.stdout + res.stderr
-    assert says in res.stderr, res.stderr
+    code, out, err = _main(capsys, *args)
+    assert code == 2, out + err
+    assert says in err, err
 
 
-def test_bench_cpu_writes_json(tmp_path):
+def test_bench_cpu_writes_json(capsys, tmp_path, monkeypatch):
     """`cpindex bench` on a CPU machine: collective + scoring + no-CP baseline, JSON out; the
     table printed once with its legend; no temporary file left behind or named in the JSON.
     A context that is not a whole number of blocks (1000 tokens: the last block partial) and a
@@ -137,24 +151,26 @@ def test_bench_cpu_writes_json(tmp_path):
     out = tmp_path / "bench.json"
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    proc = _cpindex("bench", "--world", "2", "--rows", "1,3", "--context", "1000", "--iters", "2",
-                    "--query-len", "1,2", "--out", str(out), env={"TMPDIR": str(tmp)},
-                    timeout=180)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    lines = proc.stdout.splitlines()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    argv = ["bench", "--world", "2", "--rows", "1,3", "--context", "1000", "--iters", "2",
+            "--query-len", "1,2", "--out", str(out)]  # fmt: skip
+    code, stdout, err = _main(capsys, *argv)
+    assert code == 0, err[-2000:]
+    lines = stdout.splitlines()
     headers = [i for i, ln in enumerate(lines) if "collective us" in ln and "no-CP us" in ln]
-    assert len(headers) == 1, proc.stdout
+    assert len(headers) == 1, stdout
     body = lines[headers[0] + 1 : headers[0] + 5]
     assert [ln.split()[:4] for ln in body] == [
         ["nvfp4", "1", "1", "1000"], ["nvfp4", "1", "2", "1000"],
         ["nvfp4", "3", "1", "1000"], ["nvfp4", "3", "2", "1000"],
-    ], proc.stdout  # fmt: skip
-    assert sum(ln.lstrip().startswith("nvfp4") for ln in lines) == 4, proc.stdout
-    assert sum(ln.startswith("copy bandwidth: ") for ln in lines) == 1, proc.stdout
+    ], stdout  # fmt: skip
+    assert sum(ln.lstrip().startswith("nvfp4") for ln in lines) == 4, stdout
+    assert sum(ln.startswith("copy bandwidth: ") for ln in lines) == 1, stdout
     for word in ("  x ", "  GB/s ", "  score ", "  % copy ", "  no-CP "):  # the legend
-        assert any(ln.startswith(word) for ln in lines), (word, proc.stdout)
+        assert any(ln.startswith(word) for ln in lines), (word, stdout)
     for noise in ("Selection", "select", "alltoall_perf", "nccl-tests", "ipc", "skipping"):
-        assert noise not in proc.stdout, (noise, proc.stdout)
+        assert noise not in stdout, (noise, stdout)
     assert list(tmp.iterdir()) == []
     text = out.read_text()
     assert "results_path" not in text and str(tmp) not in text
@@ -173,17 +189,18 @@ def test_bench_cpu_writes_json(tmp_path):
         assert r["copy_gbs"] > 0 and 0 < r["scan_bytes_rank0"] <= r["scan_bytes_rank"]
 
 
-def test_bench_cpu_select_prints_bytes_beside_times(tmp_path):
+def test_bench_cpu_select_prints_bytes_beside_times(capsys, tmp_path):
     """`cpindex bench --select` on CPU: select_blocks beside score_push + topk, and the bytes of
     both exchanges; the candidate bytes do not change with the context."""
     out = tmp_path / "bench.json"
-    proc = _cpindex("bench", "--world", "2", "--rows", "2", "--context", "2k,8k", "--iters", "1",
-                    "--query-len", "4", "--select", "--out", str(out), timeout=180)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert sum("select us" in ln and "push+topk us" in ln for ln in proc.stdout.splitlines()) == 1
-    assert "Selection (topk 16)" in proc.stdout  # its legend, with --select only
+    argv = ["bench", "--world", "2", "--rows", "2", "--context", "1k,4k", "--iters", "1",
+            "--query-len", "4", "--formats", "fp8", "--select", "--out", str(out)]  # fmt: skip
+    code, stdout, err = _main(capsys, *argv)
+    assert code == 0, err[-2000:]
+    assert sum("select us" in ln and "push+topk us" in ln for ln in stdout.splitlines()) == 1
+    assert "Selection (topk 16)" in stdout  # its legend, with --select only
     rows = json.loads(out.read_text())["results"]
-    assert [r["context"] for r in rows] == [2048, 8192]
+    assert [r["context"] for r in rows] == [1024, 4096]
     for r in rows:
         assert r["collective_select"]["median_ms"] > 0 and r["collective_topk"]["median_ms"] > 0
     assert rows[0]["collective_bytes_select"] == rows[1]["collective_bytes_select"] > 0
@@ -191,10 +208,10 @@ def test_bench_cpu_select_prints_bytes_beside_times(tmp_path):
 
 
 @pytest.mark.parametrize("args", [["--rows", "1,x"], ["--transports", "ipc,carrier"]])
-def test_bench_bad_lists_exit_2(args):
-    res = _cpindex("bench", *args, timeout=60)
-    assert res.returncode == 2
-    assert "expected a comma list" in res.stderr
+def test_bench_bad_lists_exit_2(capsys, args):
+    code, _, err = _main(capsys, "bench", *args)
+    assert code == 2
+    assert "expected a comma list" in err
 
 
 def test_plot_legend_says_no_cp_and_explains_score(monkeypatch):
@@ -232,15 +249,6 @@ def test_plot_legend_says_no_cp_and_explains_score(monkeypatch):
 
 
 # ------------------------------------------------------------------------ checked before spawning
-
-
-def _main(capsys, *argv: str) -> tuple[int, str, str]:
-    """``cpindex.cli.main`` in this process: the argument checks need no rank."""
-    from cpindex import cli
-
-    code = cli.main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 _CPU = not torch.cuda.is_available()
@@ -282,10 +290,9 @@ def test_arguments_are_checked_before_any_rank_starts(capsys, tmp_path, monkeypa
 def test_version(capsys):
     import cpindex
 
-    with pytest.raises(SystemExit) as ei:
-        _main(capsys, "--version")
-    assert ei.value.code == 0
-    assert capsys.readouterr().out == f"cpindex {cpindex.__version__}\n"
+    code, out, _ = _main(capsys, "--version")
+    assert code == 0
+    assert out == f"cpindex {cpindex.__version__}\n"
 
 
 def test_query_len_takes_the_comma_list_its_help_promises():

@@ -7,8 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
@@ -21,12 +19,12 @@ def _run(script: str, *args: str, timeout: float = 240) -> subprocess.CompletedP
     )
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
-def test_decode_step(fmt):
-    res = _run("decode_step.py", "--world", "2", "--steps", "3", "--format", fmt)
+def test_decode_step():
+    """One format: the library's paths per format are tests/test_collective.py's."""
+    res = _run("decode_step.py", "--world", "2", "--steps", "2", "--format", "nvfp4")
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     steps = [ln for ln in res.stdout.splitlines() if ln.startswith("step ")]
-    assert len(steps) == 3, res.stdout
+    assert len(steps) == 2, res.stdout
     assert all("3 requests x 4 tokens" in ln and "matches the reference" in ln for ln in steps)
     assert "every rank matched the reference at every step" in res.stdout
 

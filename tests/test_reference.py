@@ -116,8 +116,13 @@ def _problem(fmt: str, lengths, seed: int, num_heads: int = 4, width=None, query
     )
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize(("init", "local"), [(0, 1), (1, 1), (2, 3), (0, 0)])
+# Every format with the usual forcing and with more forced blocks; every forcing on nvfp4 (the
+# forcing rules do not depend on the format: its decoding is what each format adds).
+FORMAT_FORCING = [(f, 0, 1) for f in FORMATS] + [(f, 2, 3) for f in FORMATS]
+FORMAT_FORCING += [("nvfp4", 1, 1), ("nvfp4", 0, 0)]
+
+
+@pytest.mark.parametrize(("fmt", "init", "local"), FORMAT_FORCING)
 def test_block_scores_matches_oracle(fmt, init, local):
     prob = _problem(fmt, LENGTHS, seed=init * 10 + local)
     if fmt == "nvfp4-pair":
@@ -151,8 +156,9 @@ def test_block_scores_random_ragged(fmt):
 # --------------------------------------------------------------------------- multi-token requests
 
 
+# T: the fewest, an odd count, the most (T = 1 is every other test here)
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("query_len", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("query_len", [2, 3, 8])
 def test_multi_token_requests_match_oracle(fmt, query_len):
     # lengths where the T rows' causal cuts fall inside the last block for some rows and not
     # others (128 + 2: with T = 4 the first rows end in block 0, the last in block 1), lengths
@@ -208,7 +214,8 @@ def test_lengths_shorter_than_forced_blocks(fmt):
     # n <= init + local: every block of the row is forced, nothing is scanned
     lengths = [1, 128, 129, 300, 384, 385, 700]
     prob = _problem(fmt, lengths, seed=5)
-    for init, local in [(2, 3), (3, 2), (4, 4), (0, 6), (6, 0)]:
+    pairs = [(2, 3), (3, 2), (4, 4), (0, 6), (6, 0)] if fmt == "fp8" else [(2, 3)]
+    for init, local in pairs:  # the forcing does not depend on the format
         got, want = _scores(prob, init, local)
         _assert_same(got, want)
     # one block: local wins over init (local is tested first)
@@ -318,8 +325,11 @@ def _assert_selected(got, want) -> None:
 SELECT_LENGTHS = [1, 128 * 3, 128 * 16, 128 * 16 + 1, 128 * 30 - 5, 128 * 17, 129]
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("topk", [16, 1, 5, 64])
+# Every format at MiniMax-M3's topk; every topk on fp8 (the selection reads scores only).
+FORMAT_TOPK = [(f, 16) for f in FORMATS] + [("fp8", k) for k in (1, 5, 64)]
+
+
+@pytest.mark.parametrize(("fmt", "topk"), FORMAT_TOPK)
 def test_select_blocks_matches_oracle(fmt, topk):
     prob = _problem(fmt, SELECT_LENGTHS, seed=8, width=32)
     for init, local in [(0, 1), (1, 1), (2, 3)]:
@@ -387,10 +397,11 @@ def test_select_blocks_defaults_and_errors():
 # --------------------------------------------------------------------------- speed
 
 
-def test_speed_64_rows_32k_nvfp4():
-    """The oracle must stay usable at decode scale: 64 rows x 32K tokens, nvfp4."""
+def test_speed_16_rows_32k_nvfp4():
+    """The oracle must stay usable at decode scale: 32K tokens, nvfp4, 16 rows (its time is
+    linear in the rows: 64 rows take four times as long)."""
     g = torch.Generator().manual_seed(0)
-    rows, ctx, pool = 64, 32 * 1024, 512
+    rows, ctx, pool = 16, 32 * 1024, 256
     keys = torch.randn(pool, 128, 128, generator=g)
     cache = formats.quantize(keys, "nvfp4")
     blocks = ctx // 128
@@ -401,10 +412,10 @@ def test_speed_64_rows_32k_nvfp4():
     t0 = time.perf_counter()
     out = reference.block_scores(q, cache, table, lens, init_blocks=0, local_blocks=1, width=blocks)
     dt = time.perf_counter() - t0
-    print(f"reference.block_scores 64 rows x 32K nvfp4: {dt:.2f} s")
+    print(f"reference.block_scores {rows} rows x 32K nvfp4: {dt:.2f} s")
     assert out.shape == (4, rows, blocks)
     assert bool(torch.isfinite(out[:, 0, :-1]).all())
     # spot-check one row against the oracle
     want = oracle(q[:1], cache, table[:1], lens[:1], init=0, local=1, width=blocks)
     assert torch.equal(out[:, :1], want)
-    assert dt < 20.0, f"reference took {dt:.1f} s for 64 rows x 32K tokens"
+    assert dt < 8.0, f"reference took {dt:.1f} s for {rows} rows x 32K tokens"
