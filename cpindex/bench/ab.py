@@ -73,6 +73,7 @@ def configs(spec: Spec, world_size: int | None = None) -> dict[tuple[str, str], 
             max_query_len=t_max,
             max_width=blocks(max(spec.contexts)),
             world_size=world_size,
+            cp_min_blocks=0,  # the A/B times the exchange at every size
         )
         for fmt in spec.formats
         for t in spec.transports

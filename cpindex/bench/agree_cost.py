@@ -146,7 +146,7 @@ def _rank_job(comm: Comm, shapes, t: int, fmt: str, iters: int, rounds: int) -> 
     def config(fp: bool) -> CPIndexConfig:
         return CPIndexConfig(
             transport="ipc", cache_format=fmt, max_rows=rows_max * t, max_query_len=t,
-            max_width=width_max, fingerprint=fp,
+            max_width=width_max, fingerprint=fp, cp_min_blocks=0,
         )  # fmt: skip
 
     cps = {fp: IndexCP(config(fp), device=dev, comm=comm) for fp in (False, True)}
