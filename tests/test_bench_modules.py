@@ -81,8 +81,6 @@ def test_agree_table_renders():
     ]  # fmt: skip
     assert "4.00" in lines[3] and "-0.10" in lines[3] and lines[3].endswith("NO")
     assert "NOTE" not in agree_cost.table(res)
-    noted = agree_cost.table({**res, "agree": [rec, {**plan, "compared": False}]})
-    assert "compares none" in noted.splitlines()[1]
     assert agree_cost.table({"skipped": "no field"}) == "bench --agree skipped: no field"
 
 

@@ -4,12 +4,12 @@
 ``score_push`` and ``select_blocks`` (topk 16) through ``ipc`` in the one-process world (W ranks
 as threads sharing one GPU, as the transport A/B runs there), on the same inputs, one instance
 with the hash and one without, timed as CUDA graph replays of 8 calls. Each call is timed in the
-positional form (the call hashes the block table and lengths it reads) and, where
-:meth:`IndexCP.plan` exists, with a plan made once before (the plan holds the hash; the call
-only compares it). Rounds alternate the order of off and on, and each time is the median over
-rounds, so drift of the shared device between the two falls on both alike. ``refresh us``: the
-plan's hash recomputed (``Plan.refresh``), rank 0 alone: the per-step cost a plan's hash adds,
-shared by every layer of the step.
+positional form and with a plan made once before; ``ipc`` hashes the block-table entries and
+lengths a call reads inside its kernel on every call either way (``collective`` on a GPU takes
+the plan's hash instead). Rounds alternate the order of off and on, and each time is the median over
+rounds, so drift of the shared device between the two falls on both alike. ``refresh us``: a
+plan's torch-side hash recomputed (``Plan.refresh``, what ``collective`` compares), rank 0
+alone.
 """
 
 from __future__ import annotations
@@ -212,11 +212,6 @@ def table(res: dict) -> str:
         f"{res['format']}, T = {res['query_len']}"
         + (f"; copy bandwidth {copy:.0f} GB/s" if copy else ""),
     ]
-    if any(r.get("compared") is False for r in recs):
-        lines.append(
-            "NOTE: the ipc instance with fingerprint on compares none in this build (its plans "
-            "hold no fingerprint): off and on run the same work"
-        )
     lines.append(
         f"{'rows':>4} {'ctx':>5} {'call':>13} {'form':>10} {'off us':>8} {'on us':>8} "
         f"{'diff us':>8} {'diff %':>7} {'refresh us':>10} {'MiB read':>9} {'GB/s':>6} "

@@ -424,10 +424,12 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   __shared__ int agree_check, poisoned;
   if (threadIdx.x == 0) agree_check = p.agree && !cta_failed && !handshake_failed(p);
   __syncthreads();
-  if (agree_check) hashes_agree(p, ps, call);
+  // This CTA's own comparison decides (another CTA may hold the error word's claim and not
+  // have written its code yet); the code adds a replica mismatch found while scoring.
+  const bool agreed = agree_check ? hashes_agree(p, ps, call) : true;
   if (threadIdx.x == 0) {
     const uint32_t code = error_code(p);
-    poisoned = p.agree && (code == kErrAgreement || code == kErrReplica);
+    poisoned = p.agree && (!agreed || code == kErrAgreement || code == kErrReplica);
   }
   __syncthreads();
   if (poisoned) poison_outputs(p);
