@@ -356,6 +356,21 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, phases: tuple[str
 # ---- the parent ---------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _environ(**values: str):
+    """``os.environ`` with ``values`` set (what a spawned child inherits), then as before."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 @dataclass
 class WorldRun:
     """What a process world reported: ``reports[phase][rank]`` is ``{"ok": True, "data": ...}``
@@ -387,15 +402,19 @@ class ProcessWorld:
     def start(self) -> None:
         ctx = torch.multiprocessing.get_context("spawn")
         port = free_port()
-        for rank in range(self.world):
-            p = ctx.Process(
-                target=_rank_main,
-                args=(rank, self.world, port, str(self.out_dir), PHASES),
-                name=f"cpindex-rank{rank}",
-                daemon=True,
-            )
-            p.start()
-            self.procs.append(p)
+        # Each rank is a process with its own CUDA context, so a lazy kernel load waits only for
+        # that process's own work, never for a peer (docs/design.md, the one-process world, rule
+        # 3): the ranks start without loading every kernel of torch's libraries up front.
+        with _environ(CUDA_MODULE_LOADING="LAZY"):
+            for rank in range(self.world):
+                p = ctx.Process(
+                    target=_rank_main,
+                    args=(rank, self.world, port, str(self.out_dir), PHASES),
+                    name=f"cpindex-rank{rank}",
+                    daemon=True,
+                )
+                p.start()
+                self.procs.append(p)
 
     def wait(self, phase: str, ranks: list[int], timeout_s: float) -> dict[int, dict]:
         """Each rank's report of ``phase``; a rank that exits without one, or does not report

@@ -4,10 +4,11 @@
 //
 // Each rank sums a hash over the entries it would read (every request, not only its share:
 // the table is a few bytes per 128 keys) into a per-call accumulator, spread over the whole
-// grid so no CTA's share of the scan grows. The last CTA publishes the sum beside its score
-// flag; every waiting CTA compares all ranks' sums once the flags are in. A wrapping sum of
-// value x odd weight(position) is order-free (any grid gives the same sum) and two tables that
-// differ in one entry never collide (an odd weight is invertible mod 2**64).
+// grid and run by the warps that are not waiting for the peers' queries, so no CTA's scan starts
+// later. The last CTA publishes the sum beside its score flag; every waiting CTA compares all
+// ranks' sums once the flags are in. A wrapping sum of value x odd weight(position) is
+// order-free (any grid gives the same sum) and two tables that differ in one entry never
+// collide (an odd weight is invertible mod 2**64).
 #pragma once
 #include "config.h"
 #include "waits.h"
@@ -22,18 +23,18 @@ CP_DEVICE uint64_t agree_weight(uint64_t key) {  // splitmix64's finalizer, made
   return (key ^ (key >> 31)) | 1ull;
 }
 
-// This CTA's part of the call's hash, added into ps.fp_acc[call & 1]. Entry (i, j) counts where
+// The part of the call's hash that threads [first, kThreads) of this CTA sum, added into
+// *part (this CTA's shared sum, published by publish_agreement_part). Entry (i, j) counts where
 // some row of request i reads block j's page: init_blocks <= j < n - local_blocks; lengths
-// count for every request. Table padding past a request's blocks never counts.
-CP_DEVICE void agreement_hash(const ScoreParams& p, const PushState& ps, uint64_t call) {
-  __shared__ unsigned long long part;
-  if (threadIdx.x == 0) part = 0ull;
-  __syncthreads();
+// count for every request. Table padding past a request's blocks never counts. The warps that
+// run it are those not waiting on the peers' queries, so on a grid that waits it costs nothing.
+CP_DEVICE void agreement_hash(const ScoreParams& p, unsigned long long* part, int first) {
   const int64_t cols = p.width < p.bt_cols ? p.width : p.bt_cols;
   const int64_t entries = (int64_t)p.requests * cols;
-  const int64_t stride = (int64_t)gridDim.x * kThreads;
+  const int64_t stride = (int64_t)gridDim.x * (kThreads - first);
   uint64_t sum = 0;
-  for (int64_t e = (int64_t)blockIdx.x * kThreads + threadIdx.x; e < entries; e += stride) {
+  for (int64_t e = (int64_t)blockIdx.x * (kThreads - first) + (threadIdx.x - first); e < entries;
+       e += stride) {
     const int64_t i = e / cols, j = e - i * cols;
     const int len = p.seq_lens[i];
     const int n = len > 0 ? (len + kPageTokens - 1) / kPageTokens : 0;
@@ -43,9 +44,15 @@ CP_DEVICE void agreement_hash(const ScoreParams& p, const PushState& ps, uint64_
       sum += (uint64_t)page * agree_weight(((uint64_t)i << 21) | (uint64_t)(j + 1));
     }
   }
-  if (sum) atomicAdd(&part, (unsigned long long)sum);
-  __syncthreads();
-  if (threadIdx.x == 0 && part) atomicAdd(ps.fp_acc + (call & 1), part);
+  if (sum) atomicAdd(part, (unsigned long long)sum);
+}
+
+// One thread of the CTA, after a barrier that follows agreement_hash: the CTA's part into the
+// call's accumulator, ps.fp_acc[call & 1] (the ticket's release later orders it before the last
+// CTA reads the sum).
+CP_DEVICE void publish_agreement_part(const PushState& ps, uint64_t call,
+                                      unsigned long long part) {
+  if (part) atomicAdd(ps.fp_acc + (call & 1), part);
 }
 
 // Replicas (more ranks than heads: rank r holds head r % num_heads and the kernel scores head h
@@ -72,9 +79,7 @@ CP_DEVICE void check_replicas(const ScoreParams& p, const PushState& ps, uint64_
 // The last CTA: this call's hash, ready for publishing; its accumulator is cleared for the call
 // after next (the next call sums into the other one).
 CP_DEVICE uint64_t take_agreement_hash(const PushState& ps, uint64_t call) {
-  unsigned long long* acc = ps.fp_acc + (call & 1);
-  const uint64_t h = *reinterpret_cast<volatile unsigned long long*>(acc);
-  *acc = 0ull;
+  const uint64_t h = atomicExch(ps.fp_acc + (call & 1), 0ull);  // read and clear: one trip
   return h | 1ull;  // never 0: a slot never written reads 0
 }
 

@@ -125,6 +125,7 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
 #endif
   __shared__ int cta_failed;
   __shared__ int is_last;
+  __shared__ unsigned long long hash_part;  // this CTA's part of the agreement hash (agree.h)
   uint64_t call = 0;
 
   // nvfp4's tables (4 KiB of f16 bytes, then 2 KiB of e4m3 bytes) are loaded before the error
@@ -153,7 +154,7 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
       if constexpr (kNvfp4Cvt<NT, W> > 0) lut8[i] = lut8_ld[r];
     }
   }
-  if (threadIdx.x == 0) cta_failed = 0;
+  if (threadIdx.x == 0) cta_failed = 0, hash_part = 0ull;
   __syncthreads();
 
   if (push) {
@@ -171,7 +172,10 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
         cp_store_release_sys(ps.peer_q_flag[dest], call);
       }
     }
-    if ((int)threadIdx.x < p.world) {
+    // Warp 0 waits for the peers' queries; meanwhile the other warps sum the agreement hash.
+    if (warp > 0) {
+      if (p.agree) agreement_hash(p, &hash_part, CP_WARP);
+    } else if ((int)threadIdx.x < p.world) {
       if (!wait_flag(p, ps.q_flags + threadIdx.x, call, ps.timeout_ticks, kErrTimeoutQueries,
                      threadIdx.x)) {
         cta_failed = 1;
@@ -188,10 +192,8 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
       }
     }
     __syncthreads();
-    if (p.agree && !cta_failed) {
-      agreement_hash(p, ps, call);
-      check_replicas(p, ps, call);
-    }
+    if (p.agree && threadIdx.x == 0) publish_agreement_part(ps, call, hash_part);
+    if (p.agree && !cta_failed) check_replicas(p, ps, call);
   }
 
   if (!cta_failed) {
