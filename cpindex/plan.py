@@ -58,6 +58,33 @@ class Plan:
     #: The configuration the plan was validated against (None: built unchecked).
     config: CPIndexConfig | None = field(default=None, repr=False)
 
+    @classmethod
+    def _of(
+        cls,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_len: int,
+        init_blocks: int,
+        local_blocks: int,
+        width: int,
+        fingerprint: torch.Tensor | None,
+        config: CPIndexConfig | None,
+    ) -> Plan:
+        """``Plan(...)`` for validation, which makes one per positional call: the same object,
+        built with one ``__dict__`` in place of the frozen dataclass's eight
+        ``object.__setattr__`` calls."""
+        plan = object.__new__(cls)
+        object.__setattr__(
+            plan,
+            "__dict__",
+            {
+                "block_table": block_table, "seq_lens": seq_lens, "query_len": query_len,
+                "init_blocks": init_blocks, "local_blocks": local_blocks, "width": width,
+                "fingerprint": fingerprint, "config": config,
+            },
+        )  # fmt: skip
+        return plan
+
     @property
     def requests(self) -> int:
         return self.block_table.shape[0]

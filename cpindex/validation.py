@@ -14,19 +14,23 @@ once by :func:`check_plan`; each call then checks its own ``iq`` and cache again
 argument raises while being checked (an exotic tensor whose attributes raise) is reported as a
 ``TypeError`` naming that argument, so a rank's bad input is always a refusal its peers hear
 about, never a crash inside the call.
+
+A :class:`Checker` runs these checks for one instance (or op call site) and memoizes the verdicts
+of the metadata checks, so a call whose tensors look like an earlier call's costs a few
+dictionary lookups (docs/design.md, "The host path"); the module functions run them afresh.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from numbers import Integral
-from typing import TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
 from . import fingerprint, formats
 from .config import CPIndexConfig
+from .memo import Memo, check_key
 from .plan import Plan
 
 T = TypeVar("T")
@@ -35,9 +39,9 @@ T = TypeVar("T")
 TAG_LIMIT = 1 << 63
 
 
-@dataclass(frozen=True)
-class Call:
-    """One validated call: this rank's queries and cache, the step's plan, and the tag."""
+class Call(NamedTuple):
+    """One validated call: this rank's queries and cache, the step's plan, and the tag (a
+    named tuple: made on every call, so it costs what a tuple costs)."""
 
     iq: torch.Tensor  # [plan.rows, heads_per_rank, 128], contiguous
     index_cache: formats.Cache
@@ -45,11 +49,11 @@ class Call:
     tag: int | None = None
 
 
-def _guarded(name: str, check: Callable[[], T]) -> T:
-    """Run ``check``; anything but the TypeError/ValueError it means to raise becomes a
+def _guarded(name: str, check: Callable[..., T], *args: Any) -> T:
+    """Run ``check(*args)``; anything but the TypeError/ValueError it means to raise becomes a
     TypeError naming ``name`` (a nested or otherwise exotic tensor whose attributes raise)."""
     try:
-        return check()
+        return check(*args)
     except (TypeError, ValueError):
         raise
     except Exception as e:
@@ -123,8 +127,8 @@ def _nvfp4_tokens_aligned(cache: formats.Cache) -> None:
 
 def check_tag(tag: object) -> int | None:
     """``None`` or an int in ``[0, 2**63)``."""
-    if tag is None:
-        return None
+    if tag is None or (type(tag) is int and 0 <= tag < TAG_LIMIT):
+        return tag  # the common cases, without the ABC check below
     if isinstance(tag, bool) or not isinstance(tag, Integral):
         raise TypeError(f"tag: expected an int or None, got {type(tag).__name__}")
     tag = int(tag)
@@ -159,6 +163,10 @@ def _iq(cfg: CPIndexConfig, heads_per_rank: int, device: torch.device, iq: objec
     return iq
 
 
+def _part_name(index_cache: object, k: int) -> str:
+    return f"index_cache[{k}]" if isinstance(index_cache, tuple) else "index_cache"
+
+
 def _cache(cfg: CPIndexConfig, device: torch.device, index_cache: object) -> formats.Cache:
     if not isinstance(index_cache, (torch.Tensor, tuple)):
         raise TypeError(
@@ -168,31 +176,34 @@ def _cache(cfg: CPIndexConfig, device: torch.device, index_cache: object) -> for
     parts = index_cache if isinstance(index_cache, tuple) else (index_cache,)
     for k, part in enumerate(parts):
         if isinstance(part, torch.Tensor):
-            _tensor("index_cache" if len(parts) == 1 else f"index_cache[{k}]", part)
+            _tensor(_part_name(index_cache, k), part)
     formats.check_cache(index_cache, cfg.cache_format)
     for k, part in enumerate(parts):
-        name = "index_cache" if not isinstance(index_cache, tuple) else f"index_cache[{k}]"
-        _on(name, part, device)
-        _aligned(name, part, pages=True)
+        _on(_part_name(index_cache, k), part, device)
+        _aligned(_part_name(index_cache, k), part, pages=True)
     if cfg.cache_format == "nvfp4":
         _nvfp4_tokens_aligned(index_cache)
     return index_cache
 
 
 def _block_table(
-    device: torch.device, block_table: object, requests: int | None, rows_note: str
+    device: torch.device, block_table: object, rows: int | None, query_len: int
 ) -> torch.Tensor:
     block_table = _tensor("block_table", block_table)
     if block_table.dtype != torch.int32:
         raise TypeError(
             f"block_table: expected torch.int32 [rows, max_blocks], got {_desc(block_table)}"
         )
-    want = block_table.shape[0] if requests is None and block_table.dim() == 2 else requests
+    if rows is not None:
+        want = rows // query_len
+    else:
+        want = block_table.shape[0] if block_table.dim() == 2 else None
     if block_table.dim() != 2 or block_table.shape[0] != want or block_table.shape[1] < 1:
         n = "requests" if want is None else want
+        note = "" if rows is None else f": iq's {rows} rows / query_len {query_len}"
         raise ValueError(
             f"block_table: expected torch.int32 [{n}, max_blocks >= 1] (one row per "
-            f"request{rows_note}), got {_desc(block_table)}"
+            f"request{note}), got {_desc(block_table)}"
         )
     if block_table.stride(1) != 1:
         raise ValueError(
@@ -219,6 +230,197 @@ def _seq_lens(device: torch.device, seq_lens: object, requests: int) -> torch.Te
     return seq_lens
 
 
+def _plan_args(
+    cfg: CPIndexConfig,
+    device: torch.device,
+    block_table: object,
+    seq_lens: object,
+    init_blocks: object,
+    local_blocks: object,
+    width: object,
+    query_len: int,
+    rows: int | None,
+) -> int:
+    """Every metadata check of a plan's arguments, in the order they are reported; returns the
+    width (``None``: ``block_table.shape[1]``)."""
+    bt = _guarded("block_table", _block_table, device, block_table, rows, query_len)
+    requests = bt.shape[0]
+    if rows is None and requests * query_len > cfg.max_rows:
+        raise ValueError(
+            f"block_table: {requests} requests x query_len {query_len} = "
+            f"{requests * query_len} rows, more than max_rows={cfg.max_rows}"
+        )
+    _guarded("seq_lens", _seq_lens, device, seq_lens, requests)
+    init_blocks = _count("init_blocks", init_blocks, 0)
+    local_blocks = _count("local_blocks", local_blocks, 0)
+    # Forcing counts past max_width (at most 2**20) force nothing more; bounding them keeps
+    # every count the kernel receives inside its C int (rows <= max_rows <= 65536 likewise).
+    for name, v in (("init_blocks", init_blocks), ("local_blocks", local_blocks)):
+        if v > cfg.max_width:
+            raise ValueError(f"{name}: expected <= max_width ({cfg.max_width}), got {v}")
+    if width is None:
+        width = bt.shape[1]
+    return _count("width", width, 1, cfg.max_width)
+
+
+class Checker:
+    """The input checks of one call site: a configuration, its heads per rank and its device.
+
+    Checks that read only metadata are memoized (:mod:`cpindex.memo`): a passing verdict is
+    stored under :func:`~cpindex.memo.check_key` of every tensor the check read (type, dtype,
+    shape, strides, device, alignment) and the plain arguments it read. Only passing verdicts
+    are stored, so an input that matches a stored key passes exactly the checks it passed
+    before, and any other input runs them all, in the order they are reported (a warm cache
+    never skips a check a new input fails). Contents are never memoized: CPU tensors' are
+    checked, and the plan's fingerprint recomputed, on every call."""
+
+    def __init__(self, cfg: CPIndexConfig, heads_per_rank: int, device: torch.device) -> None:
+        self.cfg, self.heads_per_rank, self.device = cfg, heads_per_rank, device
+        self.on_cpu = device.type == "cpu"
+        self._max_query_len = cfg.max_query_len
+        self._iqs: Memo[bool] = Memo()
+        self._caches: Memo[bool] = Memo()
+        self._plans: Memo[int] = Memo()  # plan arguments -> the resolved width
+
+    def query_len(self, query_len: object) -> int:
+        if type(query_len) is int and 1 <= query_len <= self._max_query_len:
+            return query_len
+        return _count("query_len", query_len, 1, self._max_query_len)
+
+    def iq(self, iq: object) -> tuple[torch.Tensor, int]:
+        """``iq`` as ``[rows, heads_per_rank, 128]``, and its rows."""
+        try:
+            key = check_key(iq)
+        except Exception:  # not a plain tensor: the full check says what it is
+            key = None
+        if key is None or key not in self._iqs:
+            q = _guarded("iq", _iq, self.cfg, self.heads_per_rank, self.device, iq)
+            if key is not None:
+                self._iqs.put(key, True)
+            return q, q.shape[0]
+        shape = key[2]
+        return (iq.unsqueeze(1) if len(shape) == 2 else iq), shape[0]  # type: ignore[union-attr]
+
+    def cache(self, index_cache: object) -> formats.Cache:
+        try:
+            if isinstance(index_cache, tuple):
+                packed, scales = index_cache  # not a pair: no key, the full check says so
+                key: tuple | None = (check_key(packed), check_key(scales))
+            else:
+                key = check_key(index_cache)
+        except Exception:
+            key = None
+        if key is None or key not in self._caches:
+            _guarded("index_cache", _cache, self.cfg, self.device, index_cache)
+            if key is not None:
+                self._caches.put(key, True)
+        return index_cache  # type: ignore[return-value]
+
+    def plan(
+        self,
+        block_table: object,
+        seq_lens: object,
+        init_blocks: object = 0,
+        local_blocks: object = 1,
+        width: object = None,
+        query_len: object = 1,
+        *,
+        fingerprint_out: torch.Tensor | None = None,
+        rows: int | None = None,
+    ) -> Plan:
+        """:func:`check_plan`, memoized."""
+        query_len = self.query_len(query_len)
+        key = None
+        # Exact ints only in a key: True == 1 and hashes alike, but is refused.
+        if (
+            type(init_blocks) is int
+            and type(local_blocks) is int
+            and (width is None or type(width) is int)
+        ):
+            try:
+                key = (
+                    check_key(block_table), check_key(seq_lens), rows, query_len, init_blocks,
+                    local_blocks, width,
+                )  # fmt: skip
+            except Exception:
+                key = None
+        w = self._plans.get(key) if key is not None else None
+        if w is None:
+            w = _plan_args(
+                self.cfg, self.device, block_table, seq_lens, init_blocks, local_blocks, width,
+                query_len, rows,
+            )  # fmt: skip
+            if key is not None:
+                self._plans.put(key, w)
+        plan = Plan._of(
+            block_table, seq_lens, query_len, init_blocks, local_blocks, w, fingerprint_out,  # type: ignore[arg-type]
+            self.cfg,
+        )  # fmt: skip
+        if self.on_cpu:
+            _check_contents(plan, None)
+        return plan.refresh()
+
+    def planned(self, iq: object, index_cache: object, plan: object, tag: object = None) -> Call:
+        """:func:`check_planned`, memoized."""
+        if not isinstance(plan, Plan):
+            raise TypeError(
+                f"plan: expected a cpindex Plan (IndexCP.plan), got {type(plan).__name__}"
+            )
+        cfg = self.cfg
+        if plan.config is not cfg and plan.config != cfg:
+            raise ValueError(
+                "plan: made by an IndexCP with another configuration (or not by IndexCP.plan); "
+                "make it with this instance's plan()"
+            )
+        if plan.block_table.device != self.device:
+            raise ValueError(
+                f"plan: its tensors are on {plan.device}, this instance on {self.device}"
+            )
+        tag = check_tag(tag)
+        iq, rows = self.iq(iq)
+        if rows != plan.rows:
+            raise ValueError(
+                f"iq: expected {plan.rows} rows (the plan's {plan.requests} requests x "
+                f"query_len {plan.query_len}), got {rows}"
+            )
+        index_cache = self.cache(index_cache)
+        if self.on_cpu:
+            _check_contents(plan, index_cache)
+            plan.refresh()
+        return Call(iq, index_cache, plan, tag)  # type: ignore[arg-type]
+
+    def call(
+        self,
+        iq: object,
+        index_cache: object,
+        block_table: object,
+        seq_lens: object,
+        init_blocks: object = 0,
+        local_blocks: object = 1,
+        width: object = None,
+        query_len: object = 1,
+        tag: object = None,
+        *,
+        fingerprint_out: torch.Tensor | None = None,
+    ) -> Call:
+        """:func:`check_call`, memoized."""
+        tag = check_tag(tag)
+        query_len = self.query_len(query_len)
+        iq, rows = self.iq(iq)
+        if rows % query_len:
+            raise ValueError(
+                f"iq: rows must be requests * query_len (query_len={query_len}), got {rows} rows"
+            )
+        index_cache = self.cache(index_cache)
+        plan = self.plan(
+            block_table, seq_lens, init_blocks, local_blocks, width, query_len,
+            fingerprint_out=fingerprint_out, rows=rows,
+        )  # fmt: skip
+        if self.on_cpu:
+            _check_pages(plan, index_cache)
+        return Call(iq, index_cache, plan, tag)  # type: ignore[arg-type]
+
+
 def check_plan(
     cfg: CPIndexConfig,
     device: torch.device,
@@ -236,33 +438,10 @@ def check_plan(
     argument. ``width`` None takes ``block_table.shape[1]``. ``rows`` (the positional form):
     the rows of the call's ``iq``, which fix the requests. With ``fingerprint_out`` (int64
     ``[1]`` on ``device``) the plan's fingerprint is computed into it."""
-    query_len = _count("query_len", query_len, 1, cfg.max_query_len)
-    requests = None if rows is None else rows // query_len
-    note = "" if rows is None else f": iq's {rows} rows / query_len {query_len}"
-    block_table = _guarded("block_table", lambda: _block_table(device, block_table, requests, note))
-    requests = block_table.shape[0]
-    if rows is None and requests * query_len > cfg.max_rows:
-        raise ValueError(
-            f"block_table: {requests} requests x query_len {query_len} = "
-            f"{requests * query_len} rows, more than max_rows={cfg.max_rows}"
-        )
-    seq_lens = _guarded("seq_lens", lambda: _seq_lens(device, seq_lens, requests))
-    init_blocks = _count("init_blocks", init_blocks, 0)
-    local_blocks = _count("local_blocks", local_blocks, 0)
-    # Forcing counts past max_width (at most 2**20) force nothing more; bounding them keeps
-    # every count the kernel receives inside its C int (rows <= max_rows <= 65536 likewise).
-    for name, v in (("init_blocks", init_blocks), ("local_blocks", local_blocks)):
-        if v > cfg.max_width:
-            raise ValueError(f"{name}: expected <= max_width ({cfg.max_width}), got {v}")
-    if width is None:
-        width = block_table.shape[1]
-    width = _count("width", width, 1, cfg.max_width)
-    plan = Plan(
-        block_table, seq_lens, query_len, init_blocks, local_blocks, width, fingerprint_out, cfg
-    )
-    if seq_lens.device.type == "cpu":
-        _check_contents(plan, None)
-    return plan.refresh()
+    return Checker(cfg, 1, device).plan(
+        block_table, seq_lens, init_blocks, local_blocks, width, query_len,
+        fingerprint_out=fingerprint_out, rows=rows,
+    )  # fmt: skip
 
 
 def check_planned(
@@ -277,27 +456,7 @@ def check_planned(
     """Validates one call made with a plan: the plan's origin, ``iq`` against it, the cache,
     the tag. On the CPU the plan's contents are checked again (against this cache's pages)
     and its fingerprint recomputed: the tensors may have changed since the plan was made."""
-    if not isinstance(plan, Plan):
-        raise TypeError(f"plan: expected a cpindex Plan (IndexCP.plan), got {type(plan).__name__}")
-    if plan.config is not cfg and plan.config != cfg:
-        raise ValueError(
-            "plan: made by an IndexCP with another configuration (or not by IndexCP.plan); "
-            "make it with this instance's plan()"
-        )
-    if plan.device != device:
-        raise ValueError(f"plan: its tensors are on {plan.device}, this instance on {device}")
-    tag = check_tag(tag)
-    iq = _guarded("iq", lambda: _iq(cfg, heads_per_rank, device, iq))
-    if iq.shape[0] != plan.rows:
-        raise ValueError(
-            f"iq: expected {plan.rows} rows (the plan's {plan.requests} requests x query_len "
-            f"{plan.query_len}), got {iq.shape[0]}"
-        )
-    index_cache = _guarded("index_cache", lambda: _cache(cfg, device, index_cache))
-    if device.type == "cpu":
-        _check_contents(plan, index_cache)
-        plan.refresh()
-    return Call(iq, index_cache, plan, tag)
+    return Checker(cfg, heads_per_rank, device).planned(iq, index_cache, plan, tag)
 
 
 def check_call(
@@ -318,27 +477,17 @@ def check_call(
 ) -> Call:
     """Validates one positional call (its plan included); raises ``TypeError``/``ValueError``
     naming the argument."""
-    tag = check_tag(tag)
-    query_len = _count("query_len", query_len, 1, cfg.max_query_len)
-    iq = _guarded("iq", lambda: _iq(cfg, heads_per_rank, device, iq))
-    rows = iq.shape[0]
-    if rows % query_len:
-        raise ValueError(
-            f"iq: rows must be requests * query_len (query_len={query_len}), got {rows} rows"
-        )
-    index_cache = _guarded("index_cache", lambda: _cache(cfg, device, index_cache))
-    plan = check_plan(
-        cfg, device, block_table, seq_lens, init_blocks, local_blocks, width, query_len,
-        fingerprint_out=fingerprint_out, rows=rows,
+    return Checker(cfg, heads_per_rank, device).call(
+        iq, index_cache, block_table, seq_lens, init_blocks, local_blocks, width, query_len,
+        tag, fingerprint_out=fingerprint_out,
     )  # fmt: skip
-    if device.type == "cpu":
-        _check_pages(plan, index_cache)
-    return Call(iq, index_cache, plan, tag)
 
 
 def check_topk(cfg: CPIndexConfig, topk: object, return_scores: object = False) -> int:
     """Validates ``select_blocks``' own arguments; raises ``TypeError``/``ValueError`` naming
     them. ``topk`` is bounded by ``config.max_topk``, which sized the result buffers."""
+    if type(topk) is int and 1 <= topk <= cfg.max_topk and type(return_scores) is bool:
+        return topk
     topk = _count("topk", topk, 1)
     if topk > cfg.max_topk:
         raise ValueError(f"topk: expected in [1, config.max_topk={cfg.max_topk}], got {topk}")
