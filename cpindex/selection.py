@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from .config import CPIndexConfig
+from .memo import Memo
 
 _LOW = 1 << 32
 _MASK = _LOW - 1
@@ -92,11 +93,19 @@ class Outputs:
         self.heads_per_rank = heads_per_rank
         self._ids = torch.empty(n, dtype=torch.int32, device=device)
         self._scores = torch.empty(n, dtype=torch.float32, device=device)
+        self._views: Memo[tuple[torch.Tensor, torch.Tensor]] = Memo()
 
     def views(self, rows: int, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (self.heads_per_rank, rows, topk)
-        n = shape[0] * rows * topk
-        return self._ids[:n].view(shape), self._scores[:n].view(shape)
+        """Fresh aliases of the views for this size (made once per size): a caller that
+        changes a returned tensor's metadata in place changes nothing a later call returns."""
+        got = self._views.get((rows, topk))
+        if got is None:
+            shape = (self.heads_per_rank, rows, topk)
+            n = shape[0] * rows * topk
+            got = self._views.put(
+                (rows, topk), (self._ids[:n].view(shape), self._scores[:n].view(shape))
+            )
+        return got[0].detach(), got[1].detach()
 
 
 def score_bytes(cfg: CPIndexConfig, world: int, rows: int, width: int) -> int:

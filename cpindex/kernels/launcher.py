@@ -2,7 +2,9 @@
 
 A :class:`KernelScorer` is one call site (fixed format, heads, rank, world). Everything that
 depends only on the call's static shape (rows, width, forcing counts) is packed into a struct
-image once and cached; a call patches pointers in C++ and launches.
+image once and cached; a call patches pointers in C++ and launches. What a launch derives from
+its tensors' metadata is cached too (docs/design.md, "The host path"): the grid choice per
+shape, and the nvfp4 views of a cache per cache tensor (:class:`cpindex.memo.PerTensor`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 
 from .. import formats
 from ..errors import BadBlockTableError, BadSlotError, OutOfStepError, PeerTimeoutError
+from ..memo import Memo, PerTensor
 from . import structs
 from .build import load
 
@@ -75,13 +78,20 @@ class ErrorMonitor:
         self.device_ptr = device_word_ptr
         self.host = torch.zeros(C.sizeof(structs.ErrorWord), dtype=torch.uint8, pin_memory=True)
         self.host_device_ptr = mod.host_device_pointer(self.host.data_ptr())
-        self._code = self.host[:4].view(torch.int32)
+        # The mirror read in place through ctypes: no tensor op per call. ``self.host`` owns the
+        # memory for as long as this monitor lives.
+        self._word = structs.ErrorWord.from_address(self.host.data_ptr())
+
+    @property
+    def pending(self) -> bool:
+        """Whether an error is recorded (reads host memory only)."""
+        return self._word.code != 0
 
     def check(self) -> None:
         """Raise the recorded error, if any (reads host memory only)."""
-        if int(self._code[0]) == 0:
+        if self._word.code == 0:
             return
-        w = structs.ErrorWord.from_buffer_copy(bytes(self.host.tolist()))
+        w = structs.ErrorWord.from_buffer_copy(self._word)  # one consistent copy
         if w.code == structs.ERR_BAD_PAGE:
             raise BadBlockTableError(
                 f"rank {w.rank}: block_table row {w.peer}, column {w.detail} names a page "
@@ -196,13 +206,19 @@ class KernelScorer:
         self.elem = 2 if fmt == "bf16" else 1
         self.num_heads, self.rank, self.world, self.sm_scale = num_heads, rank, world, sm_scale
         self.monitor = monitor
-        self._images: dict[tuple, torch.Tensor] = {}
+        # score_local's parameter images per shape and output (fresh outputs each call: bounded)
+        self._images: Memo[torch.Tensor] = Memo()
         self._lut = nvfp4_lut().to(device) if fmt == "nvfp4" else None
         self._sms = torch.cuda.get_device_properties(device).multi_processor_count
         self._ranks_per_device = ranks_per_device
         self._capacity: dict[tuple[int, int, bool, int], int] = {}
         self._has_wgmma: dict[int, bool] = {}  # per T * H: the build has a warpgroup instance
         self._splits: dict[int, int] = {}  # per format: the fewest warps a page splits over
+        # grid() per (its arguments and the module's tunables, which tests patch)
+        self._shapes: Memo[LaunchShape] = Memo()
+        # nvfp4: a page-major cache's (values, scales) views; a pair's e4m3 scales as uint8
+        self._views: PerTensor[tuple[torch.Tensor, torch.Tensor]] = PerTensor()
+        self._scale_bytes: PerTensor[torch.Tensor] = PerTensor()
 
     def grid(
         self, requests: int, width: int, push: bool, query_len: int = 1, fmt_id: int | None = None
@@ -315,16 +331,39 @@ class KernelScorer:
     ) -> None:
         """One kernel launch on the current stream. ``tag`` (pushed calls): the caller's tag,
         compared with every peer's."""
-        kv, ks = cache_parts(index_cache)
-        fid = self.fmt_id
-        if ks is not None and kv.stride(1) % 16:  # 8-byte aligned nvfp4 tokens: its own kernel
-            fid = structs.NVFP4_NARROW
+        kv, ks, fid = self.parts(index_cache)
         requests, pushed = block_table.shape[0], push is not None
-        grid, wgmma, split = self.grid(requests, width, pushed, query_len, fid)
+        key = (requests, width, pushed, query_len, fid, WGMMA_MIN_ITEMS_PER_SM, SPLIT_WARPS)
+        shape = self._shapes.get(key)
+        if shape is None:
+            shape = self._shapes.put(key, self.grid(requests, width, pushed, query_len, fid))
         word = -1 if tag is None else tag  # int64 on the way in: -1 is NO_TAG's bits
         self.mod.score(
-            q, kv, ks, block_table, seq_lens, params, push, fid, wgmma, split, grid, word
-        )
+            q, kv, ks, block_table, seq_lens, params, push, fid, shape.wgmma, shape.split,
+            shape.grid, word,
+        )  # fmt: skip
+
+    def parts(self, index_cache: formats.Cache) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """What the binding reads keys through (:func:`cache_parts`) and the kernel instance's
+        format id. The views nvfp4 needs are kept per tensor object (a page-major cache's two
+        views, a pair's uint8 view of e4m3 scales), valid while that object lives and its
+        metadata is unchanged; the binding is always handed uint8 views, as it reads bytes."""
+        if isinstance(index_cache, tuple):
+            kv, scales = index_cache
+            ks = scales
+            if scales.dtype != torch.uint8:
+                ks = self._scale_bytes.get(scales)
+                if ks is None:
+                    ks = self._scale_bytes.put(scales, scales.view(torch.uint8))
+        elif index_cache.dtype == torch.uint8:  # a page-major nvfp4 cache
+            views = self._views.get(index_cache)
+            if views is None:
+                views = self._views.put(index_cache, cache_parts(index_cache))
+            kv, ks = views
+        else:
+            return index_cache, None, self.fmt_id  # bf16/fp8: the cache itself
+        # 8-byte aligned nvfp4 tokens (vLLM's 72-byte tokens, as a pair): their own kernel
+        return kv, ks, structs.NVFP4_NARROW if kv.stride(1) % 16 else self.fmt_id
 
     def score_local(
         self,
@@ -351,7 +390,7 @@ class KernelScorer:
         hps = q_heads_per_src or self.num_heads
         cols = out.shape[-1]
         key = (
-            requests, query_len, width, init_blocks, local_blocks, shard, out.data_ptr(),
+            requests, query_len, width, init_blocks, local_blocks, shard, out.data_ptr(), cols,
             q_src_stride, hps,
         )  # fmt: skip
         img = self._images.get(key)
@@ -370,7 +409,5 @@ class KernelScorer:
                 shard_columns=shard,
                 out_row_stride=cols,
             )
-            if len(self._images) >= 256:  # fresh output tensors each call: keep this bounded
-                self._images.clear()
-            self._images[key] = img
+            self._images.put(key, img)
         self.launch(q, index_cache, block_table, seq_lens, img, width=width, query_len=query_len)

@@ -22,6 +22,7 @@ by the next call or ``check()`` (at once with ``error_check="sync"``).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import torch
@@ -30,6 +31,7 @@ from .. import fingerprint, formats, kernels, lockstep, partition, reference, se
 from ..comm import CollectiveFailed, CollectiveTimeout
 from ..errors import OutOfStepError, PeerTimeoutError, TransportUnavailable
 from ..kernels.launcher import ErrorMonitor, KernelScorer
+from ..memo import Memo
 from ..validation import Call
 from .base import Context, Transport, register
 
@@ -70,6 +72,7 @@ class CollectiveTransport(Transport):
         self._shard = torch.empty(cfg.num_heads * cfg.max_rows * kw, device=dev)
         self._recv = torch.empty(w * hpr * cfg.max_rows * kw, device=dev)
         self._out = torch.empty(hpr * cfg.max_rows * cfg.max_width, device=dev)
+        self._out_views: Memo[torch.Tensor] = Memo()
         self._cand = torch.empty(
             w * hpr * cfg.max_rows * cfg.max_topk, dtype=torch.int64, device=dev
         )
@@ -170,8 +173,13 @@ class CollectiveTransport(Transport):
         return ids, scores
 
     def scores_out(self, rows: int, width: int) -> torch.Tensor:
-        hpr = self.ctx.heads_per_rank
-        return self._out[: hpr * rows * width].view(hpr, rows, width)
+        view = self._out_views.get((rows, width))
+        if view is None:  # made once per size; each call gets a fresh alias (peer.py's why)
+            hpr = self.ctx.heads_per_rank
+            view = self._out_views.put(
+                (rows, width), self._out[: hpr * rows * width].view(hpr, rows, width)
+            )
+        return view.detach()
 
     def selected_out(self, rows: int, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._selected.views(rows, topk)
@@ -267,6 +275,8 @@ class CollectiveTransport(Transport):
             self.agree_on_device = False
             return
         self._host_word.zero_()
+        # read in place at every check() (no tensor op); ``_host_word`` owns the memory
+        self._host_kind = ctypes.c_int64.from_address(self._host_word.data_ptr())
         self._replicas = cfg.num_heads < w  # ranks r, r + H, ... own head r % H
         self._head_owner = torch.tensor(
             [s % cfg.num_heads for s in range(w)], dtype=torch.int64, device=dev
@@ -338,7 +348,7 @@ class CollectiveTransport(Transport):
     def check(self) -> None:
         if self.monitor is None:
             return
-        if self.agree_on_device and int(self._host_word[0]):
+        if self.agree_on_device and self._host_kind.value:
             raise self._disagreement(self._host_word.tolist())
         self.monitor.check()
 

@@ -114,7 +114,7 @@ class LocalPath:
         """The error a local call recorded on the device, cleared, or None (reads host memory
         only). It concerns this rank's own inputs: no peer waits on it."""
         mon = self.monitor
-        if mon is None or int(mon.host[:4].view(torch.int32)[0]) == 0:
+        if mon is None or not mon.pending:
             return None
         mon.host[_RANK_OFFSET : _RANK_OFFSET + 4].view(torch.int32)[0] = self.rank
         try:

@@ -36,6 +36,7 @@ from ..config import CPIndexConfig
 from ..errors import TransportUnavailable
 from ..kernels import structs
 from ..kernels.launcher import ErrorMonitor, KernelScorer
+from ..memo import Memo
 from ..plan import Plan
 from ..validation import Call
 from .base import Context, Transport
@@ -135,7 +136,9 @@ class PushEngine:
         ps.timeout_ticks = int(cfg.timeout_s * timeout_ticks_per_s)
         self.push_image = structs.image(ps)
         self._owners = partition.head_owners(cfg.num_heads, w)
-        self._images: dict[tuple, torch.Tensor] = {}
+        # parameter images and score views per call shape (static sizes: a handful per run)
+        self._images: Memo[torch.Tensor] = Memo()
+        self._score_views: Memo[torch.Tensor] = Memo()
         # select_blocks: this rank's scored share ([H][rows][kw], local) and the results; both
         # allocated here, never inside a call (graph capture; the one-process world's rule 2).
         kw = partition.shard_width(cfg.max_width, w)
@@ -227,7 +230,7 @@ class PushEngine:
         key = ("select", p.requests, p.query_len, p.width, p.init_blocks, p.local_blocks, topk)
         img = self._images.get(key)
         if img is None:
-            img = self._images[key] = self._select_params(*key[1:])
+            img = self._images.put(key, self._select_params(*key[1:]))
         self.scorer.launch(
             call.iq,
             call.index_cache,
@@ -243,11 +246,11 @@ class PushEngine:
 
     def score_push(self, call: Call) -> torch.Tensor:
         p = call.plan
-        rows, width = p.rows, p.width
-        key = (p.requests, p.query_len, width, p.init_blocks, p.local_blocks)
+        requests, query_len, width = p.block_table.shape[0], p.query_len, p.width
+        key = (requests, query_len, width, p.init_blocks, p.local_blocks)
         img = self._images.get(key)
         if img is None:
-            img = self._images[key] = self._params(*key)
+            img = self._images.put(key, self._params(*key))
         self.scorer.launch(
             call.iq,
             call.index_cache,
@@ -255,15 +258,21 @@ class PushEngine:
             p.seq_lens,
             img,
             width=width,
-            query_len=p.query_len,
+            query_len=query_len,
             push=self.push_image,
             tag=call.tag,
         )
-        return self.scores_view(rows, width)
+        return self.scores_view(requests * query_len, width)
 
     def scores_view(self, rows: int, width: int) -> torch.Tensor:
-        """The ``[hpr, rows, width]`` view of this rank's receive buffer a call returns."""
-        return self.recv[: self.hpr * rows * width].view(self.hpr, rows, width)
+        """The ``[hpr, rows, width]`` view of this rank's receive buffer a call returns: a fresh
+        alias of a view made once per size (a caller that changes the returned tensor's
+        metadata in place changes nothing a later call returns)."""
+        view = self._score_views.get((rows, width))
+        if view is None:
+            n = self.hpr * rows * width
+            view = self._score_views.put((rows, width), self.recv[:n].view(self.hpr, rows, width))
+        return view.detach()
 
     def self_test(self) -> tuple[bool, str]:
         """Every rank writes a known pattern into every owner's buffer through the real push
