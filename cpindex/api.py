@@ -12,10 +12,9 @@ from .comm import Comm, TorchComm
 from .config import CPIndexConfig
 from .errors import ConfigMismatchError, CPIndexError, add_note
 from .plan import Plan
-from .runner import Runner
+from .runner import SCORE, SELECT, Runner
 from .transports import Context, candidates, select
 from .transports.local import LocalPath
-from .validation import check_topk
 
 
 def _default_device() -> torch.device:
@@ -324,17 +323,10 @@ class IndexCP:
                 come within ``timeout_s``, or a peer is gone.
             BrokenInstanceError: an earlier call failed on this rank; :meth:`reset` first.
         """
-        validate = self._runner.checker(
-            iq, index_cache, block_table, seq_lens, init_blocks, local_blocks, width,
+        return self._runner.call(
+            SCORE, iq, index_cache, block_table, seq_lens, init_blocks, local_blocks, width,
             query_len, tag,
         )  # fmt: skip
-        transport, local = self._transport, self._local
-        return self._runner.run(
-            "score_push",
-            validate,
-            lambda call, _: transport.score_push(call),
-            local=lambda call, _: local.score_push(call),
-        )
 
     @overload
     def select_blocks(
@@ -431,18 +423,10 @@ class IndexCP:
             ``return_scores``, also float32 ``[heads_per_rank, rows, topk]``, aligned with the
             ids (``-inf`` where padded). Views valid until the next call.
         """
-        validate = self._runner.checker(
-            iq, index_cache, block_table, seq_lens, init_blocks, local_blocks, width,
-            query_len, tag,
+        ids, scores = self._runner.call(
+            SELECT, iq, index_cache, block_table, seq_lens, init_blocks, local_blocks, width,
+            query_len, tag, topk, return_scores,
         )  # fmt: skip
-        transport, local = self._transport, self._local
-        ids, scores = self._runner.run(
-            "select_blocks",
-            validate,
-            lambda call, extra: transport.select_blocks(call, extra["topk"]),
-            lambda: {"topk": check_topk(self.config, topk, return_scores)},
-            local=lambda call, extra: local.select_blocks(call, extra["topk"]),
-        )
         return (ids, scores) if return_scores else ids
 
     def exchange_bytes(self, rows: int, width: int, topk: int | None = None) -> int:

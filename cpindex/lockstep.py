@@ -152,17 +152,36 @@ def _replica_mismatch(headers: list[dict[str, Any]]) -> tuple[int, int, int] | N
     return None
 
 
+class CallName:
+    """Names a call in messages, ``call 5 (score_push)``, formatted only when one is raised
+    (an f-string formats it through ``str``)."""
+
+    __slots__ = ("header",)
+
+    def __init__(self, header: dict[str, Any]) -> None:
+        self.header = header
+
+    def __str__(self) -> str:
+        return f"call {self.header['call']} ({self.header['op']})"
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
+
 def agree_call(
-    comm: Comm, header: dict[str, Any], timeout_s: float, *, what: str
+    comm: Comm, header: dict[str, Any], timeout_s: float, *, what: str | CallName | None = None
 ) -> list[dict[str, Any]]:
     """Collective: exchange this call's header (or refusal) and raise unless every rank holds
-    the same call. ``what`` names the call in messages (``"call 5 (score_push)"``).
+    the same call. ``what`` names the call in messages (default: ``call 5 (score_push)``,
+    from the header).
 
     Raises on every rank alike: :class:`OutOfStepError` (a peer refused its call, or holds
     another call), :class:`PeerTimeoutError` (a rank did not come within ``timeout_s``),
     :class:`PeerConnectionError` (the store or a peer is gone). A refusing rank itself gets
     the list back and raises its own error."""
     rank, call_no = comm.rank, header["call"]
+    if what is None:
+        what = CallName(header)
     key = f"call/{next_round(comm, 'call')}"
     headers = exchange(comm, key, header, timeout_s, what=what, call_no=call_no)
     comm.forget(f"call/{comm.counters['call'] - 1}")  # every rank is past the previous round
@@ -217,7 +236,7 @@ def agree_call(
 
 
 def exchange(
-    comm: Comm, key: str, payload: Any, timeout_s: float, *, what: str, call_no: int = 0
+    comm: Comm, key: str, payload: Any, timeout_s: float, *, what: str | CallName, call_no: int = 0
 ) -> list[Any]:
     """:func:`rendezvous`, with failures raised as cpindex errors naming ``what``."""
     rank = comm.rank

@@ -8,9 +8,10 @@ back.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -30,9 +31,10 @@ from .gate import Gate
 from .plan import Plan
 from .transports.base import Transport
 from .transports.local import LocalPath
-from .validation import Call, check_call, check_plan, check_planned
+from .validation import Call, Checker, check_topk
 
-R = TypeVar("R")
+#: The operations a call runs (``Runner.call``'s ``op``).
+SCORE, SELECT = "score_push", "select_blocks"
 
 # What a transport raises about its peers: the call ended for every rank alike.
 _PEER_ERRORS = (OutOfStepError, PeerTimeoutError, PeerConnectionError, BadBlockTableError)
@@ -78,16 +80,6 @@ def static_blocks(block_table: object, width: object) -> int | None:
         return None
 
 
-class _Validator:
-    """What validates one call, and the call's blocks where its raw arguments tell them."""
-
-    def __init__(self, fn: Callable[[], Call], blocks: int | None) -> None:
-        self.fn, self.blocks = fn, blocks
-
-    def __call__(self) -> Call:
-        return self.fn()
-
-
 class Runner:
     """Per-call state of one instance: call count, broken state, reset rounds, the CP gate."""
 
@@ -107,6 +99,7 @@ class Runner:
         self.rank, self.world = comm.rank, comm.world_size
         self.heads_per_rank = config.heads_per_rank(self.world)
         self.digest = config.digest()
+        self.checker = Checker(config, self.heads_per_rank, device)
         self.busy = threading.Lock()
         self.others = _process_lock(comm)
         self.closed = False
@@ -126,6 +119,10 @@ class Runner:
         self._scratch_fp = (
             torch.zeros(1, dtype=torch.int64, device=device) if self.fingerprinting else None
         )
+        # Fixed for the instance's life, read on every call.
+        self._cp_from = gate.threshold
+        self._lockstep = transport.host_lockstep
+        self._sync = config.error_check == "sync" and device.type == "cuda"
 
     # ---- the gate ---------------------------------------------------------------------------
     def uses_cp(self, blocks: int | None) -> bool:
@@ -148,9 +145,7 @@ class Runner:
         if self.closed:
             raise CPIndexError("plan on a closed IndexCP")
         try:
-            return check_plan(
-                self.config, self.device, *args, fingerprint_out=self.new_fingerprint()
-            )
+            return self.checker.plan(*args, fingerprint_out=self.new_fingerprint())
         except (TypeError, ValueError) as e:
             peers_wait = self.uses_cp(static_blocks(args[0], args[4]))
             if self.world > 1 and self.broken is None and peers_wait:
@@ -159,50 +154,18 @@ class Runner:
                     self.refuse("plan", e)
             raise
 
-    def checker(
-        self,
-        iq: object,
-        index_cache: object,
-        block_table: object,
-        seq_lens: object,
-        init_blocks: object,
-        local_blocks: object,
-        width: object,
-        query_len: object,
-        tag: object,
-    ) -> Callable[[], Call]:
-        """What validates one call: the plan form or the positional form. The result also
-        carries the call's blocks where the raw arguments tell them (``.blocks``), so that a
-        refused call is known to be below the CP gate or not."""
-        cfg, hpr, dev = self.config, self.heads_per_rank, self.device
-        blocks = static_blocks(block_table, width)
-        if isinstance(block_table, Plan):
-            plan = block_table
-            given = (seq_lens, init_blocks, local_blocks, width, query_len)
-            if given != (None, 0, 1, None, 1):
-
-                def mixed() -> Call:
-                    raise TypeError(
-                        "plan: pass either a plan or block_table and seq_lens (with their "
-                        "counts), not both: the plan holds them"
-                    )
-
-                return _Validator(mixed, blocks)
-            if self.fingerprinting and plan.fingerprint is None:
-                plan = plan.with_fingerprint(self._scratch_fp)  # type: ignore[arg-type]
-            return _Validator(
-                lambda: check_planned(cfg, hpr, dev, iq, index_cache, plan, tag), blocks
-            )
-        return _Validator(
-            lambda: check_call(
-                cfg, hpr, dev, iq, index_cache, block_table, seq_lens, init_blocks,
-                local_blocks, width, query_len, tag, fingerprint_out=self._scratch_fp,
-            ),
-            blocks,
-        )  # fmt: skip
-
     # ---- the call ---------------------------------------------------------------------------
-    def _locked(self, what: str) -> _Held:
+    @contextlib.contextmanager
+    def _locked(self, what: str) -> Iterator[None]:
+        """Holds this instance's lock and the process's call lock (refusing, not waiting)."""
+        self._acquire(what)
+        try:
+            yield
+        finally:
+            self.others.release()
+            self.busy.release()
+
+    def _acquire(self, what: str) -> None:
         if self.closed:
             raise CPIndexError(f"{what} on a closed IndexCP")
         if not self.busy.acquire(blocking=False):
@@ -215,100 +178,166 @@ class Runner:
                 f"rank {self.rank}: {what} called while another IndexCP of this process is "
                 f"inside a call on another thread: {CONCURRENT}"
             )
-        return _Held(self)
 
-    def run(
+    def call(
         self,
-        what: str,
-        validate: Callable[[], Call],
-        launch: Callable[[Call, dict[str, Any]], R],
-        extra: Callable[[], dict[str, Any]] | None = None,
-        local: Callable[[Call, dict[str, Any]], R] | None = None,
-    ) -> R:
-        """One call. ``validate`` returns the call, ``extra`` the operation's own checked
-        arguments (they join the header); ``launch`` runs it context-parallel, ``local`` below
-        the CP gate. Any failure once peers may be waiting marks the instance broken until
-        :meth:`reset`.
+        op: str,
+        iq: object,
+        index_cache: object,
+        block_table: object,
+        seq_lens: object,
+        init_blocks: object,
+        local_blocks: object,
+        width: object,
+        query_len: object,
+        tag: object,
+        topk: object = None,
+        return_scores: object = False,
+    ) -> Any:
+        """One call of ``op`` (:data:`SCORE`, or :data:`SELECT`, which takes ``topk`` and
+        ``return_scores``), with a plan in ``block_table`` or the positional form. Any failure
+        once peers may be waiting marks the instance broken until :meth:`reset`.
 
         Below the gate nothing is exchanged, so no peer waits on this rank: a call this rank
         refuses (bad input, or a device error an earlier call below the gate recorded) is not
         made, is not counted and leaves the instance usable; the peers never hear of it. Every
-        rank decides alike from static sizes, so the call counts stay aligned."""
-        with self._locked(what):
-            if self.broken is not None:
-                e = self.broken
-                raise BrokenInstanceError(
-                    f"rank {self.rank}: {what} refused: this IndexCP failed earlier "
-                    f"({type(e).__name__}: {e}). Ranks may be out of step; call reset() on "
-                    "every rank to go on."
-                ) from e
-            # Known before validation where the raw arguments tell it, exact after it.
-            gated = local is not None and not self.uses_cp(getattr(validate, "blocks", None))
-            usable = False  # a failure no peer waits on: the instance stays usable
+        rank decides alike from static sizes, so the call counts stay aligned.
+
+        The hot path of every call (docs/design.md, "The host path"): no closures, no
+        messages formatted unless raised, every check before anything is launched."""
+        self._acquire(op)
+        try:
+            return self._call(
+                op, iq, index_cache, block_table, seq_lens, init_blocks, local_blocks, width,
+                query_len, tag, topk, return_scores,
+            )  # fmt: skip
+        finally:
+            self.others.release()
+            self.busy.release()
+
+    def _call(
+        self,
+        op: str,
+        iq: object,
+        index_cache: object,
+        block_table: object,
+        seq_lens: object,
+        init_blocks: object,
+        local_blocks: object,
+        width: object,
+        query_len: object,
+        tag: object,
+        topk: object,
+        return_scores: object,
+    ) -> Any:
+        if self.broken is not None:
+            e = self.broken
+            raise BrokenInstanceError(
+                f"rank {self.rank}: {op} refused: this IndexCP failed earlier "
+                f"({type(e).__name__}: {e}). Ranks may be out of step; call reset() on "
+                "every rank to go on."
+            ) from e
+        usable = False  # a failure no peer waits on: the instance stays usable
+        try:
+            self.calls += 1
+            pending = call = None
             try:
-                self.calls += 1
-                pending = None
-                try:
-                    self.transport.check()  # a previous call's recorded failure, no sync
-                    pending = self.local.take_error()  # one a call below the gate recorded
-                    if pending is not None:
-                        raise pending
-                    call = validate()
-                    gated = local is not None and not self.uses_cp(call.plan.blocks)
-                    args = extra() if extra is not None else {}
-                except Exception as e:
-                    own = e is pending or isinstance(e, (TypeError, ValueError))
-                    if gated:  # no peer waits: never a refusal round
-                        if own:
-                            self.calls -= 1
-                            usable = True
-                        raise
-                    usable = self.world == 1 and own
-                    if not usable:
-                        self.refuse(what, e)
+                self.transport.check()  # a previous call's recorded failure, no sync
+                pending = self.local.take_error()  # one a call below the gate recorded
+                if pending is not None:
+                    raise pending
+                call = self._validate(
+                    iq, index_cache, block_table, seq_lens, init_blocks, local_blocks, width,
+                    query_len, tag,
+                )  # fmt: skip
+                if op == SELECT:
+                    topk = check_topk(self.config, topk, return_scores)
+            except Exception as e:
+                # Exact after validation; before it, from the raw arguments where they tell.
+                blocks = call.plan.blocks if call is not None else static_blocks(block_table, width)
+                own = e is pending or isinstance(e, (TypeError, ValueError))
+                if not self.uses_cp(blocks):  # below the gate no peer waits: never a refusal round
+                    if own:
+                        self.calls -= 1
+                        usable = True
                     raise
-                if gated:
-                    assert local is not None
-                    out = local(call, args)
-                    if self.config.error_check == "sync" and self.device.type == "cuda":
-                        torch.cuda.current_stream(self.device).synchronize()
-                        pending = self.local.take_error()
-                        if pending is not None:
-                            usable = True  # this rank's own input: the call counts, as the peers'
-                            raise pending
-                    return out
-                if self.transport.host_lockstep:
-                    header = lockstep.call_header(
-                        what, self.instance, self.calls, call, self.digest, args,
-                        replica_head=self.replica_head,
-                    )  # fmt: skip
-                    lockstep.agree_call(
-                        self.comm, header, self.config.timeout_s,
-                        what=f"call {self.calls} ({what})",
-                    )  # fmt: skip
-                try:
-                    out = launch(call, args)
-                except BaseException as e:
-                    if self.transport.host_lockstep and not isinstance(e, _PEER_ERRORS):
-                        # The header passed, so peers may wait in this call's collectives.
-                        self.left_mid_call = (
-                            f"rank {self.rank} left call {self.calls} after its header round "
-                            f"({type(e).__name__}: {e})"
-                        )
-                    if isinstance(e, lockstep.DIST_ERRORS):  # never a raw backend error
-                        raise lockstep.lost_connection(
-                            self.comm, f"call {self.calls} ({what})", f"{type(e).__name__}: {e}",
-                            self.calls,
-                        ) from e  # fmt: skip
-                    raise
-                if self.config.error_check == "sync" and self.device.type == "cuda":
-                    torch.cuda.current_stream(self.device).synchronize()
-                    self.transport.check()
-                return out
-            except BaseException as e:
-                if self.broken is None and not usable:
-                    self.broken = e
+                usable = self.world == 1 and own
+                if not usable:
+                    self.refuse(op, e)
                 raise
+            if call.plan.blocks < self._cp_from:  # below the gate
+                local = self.local
+                out = local.select_blocks(call, topk) if op == SELECT else local.score_push(call)
+                if self._sync:
+                    torch.cuda.current_stream(self.device).synchronize()
+                    pending = local.take_error()
+                    if pending is not None:
+                        usable = True  # this rank's own input: the call counts, as the peers'
+                        raise pending
+                return out
+            if self._lockstep:
+                header = lockstep.call_header(
+                    op, self.instance, self.calls, call, self.digest,
+                    {"topk": topk} if op == SELECT else {}, replica_head=self.replica_head,
+                )  # fmt: skip
+                lockstep.agree_call(self.comm, header, self.config.timeout_s)
+            transport = self.transport
+            try:
+                out = (
+                    transport.select_blocks(call, topk)
+                    if op == SELECT
+                    else transport.score_push(call)
+                )
+            except BaseException as e:
+                if self._lockstep and not isinstance(e, _PEER_ERRORS):
+                    # The header passed, so peers may wait in this call's collectives.
+                    self.left_mid_call = (
+                        f"rank {self.rank} left call {self.calls} after its header round "
+                        f"({type(e).__name__}: {e})"
+                    )
+                if isinstance(e, lockstep.DIST_ERRORS):  # never a raw backend error
+                    raise lockstep.lost_connection(
+                        self.comm, f"call {self.calls} ({op})", f"{type(e).__name__}: {e}",
+                        self.calls,
+                    ) from e  # fmt: skip
+                raise
+            if self._sync:
+                torch.cuda.current_stream(self.device).synchronize()
+                transport.check()
+            return out
+        except BaseException as e:
+            if self.broken is None and not usable:
+                self.broken = e
+            raise
+
+    def _validate(
+        self,
+        iq: object,
+        index_cache: object,
+        block_table: object,
+        seq_lens: object,
+        init_blocks: object,
+        local_blocks: object,
+        width: object,
+        query_len: object,
+        tag: object,
+    ) -> Call:
+        """The call checked, in the plan form or the positional one."""
+        if not isinstance(block_table, Plan):
+            return self.checker.call(
+                iq, index_cache, block_table, seq_lens, init_blocks, local_blocks, width,
+                query_len, tag, fingerprint_out=self._scratch_fp,
+            )  # fmt: skip
+        if (seq_lens, init_blocks, local_blocks, width, query_len) != (None, 0, 1, None, 1):
+            raise TypeError(
+                "plan: pass either a plan or block_table and seq_lens (with their counts), "
+                "not both: the plan holds them"
+            )
+        plan = block_table
+        if self.fingerprinting and plan.fingerprint is None:
+            # Positional calls' slot: one address, so captured calls replay alike.
+            plan = plan.with_fingerprint(self._scratch_fp)  # type: ignore[arg-type]
+        return self.checker.planned(iq, index_cache, plan, tag)
 
     def refuse(self, what: str, error: BaseException) -> None:
         """Tell the peers that this rank refused its call (host-lockstep transports), so they
@@ -364,17 +393,3 @@ class Runner:
             self.comm.counters["call"] = max(rep["round"] for rep in reports)
             self.calls = 0
             self.broken = None
-
-
-class _Held:
-    """Holds a runner's instance and group locks for one ``with`` block."""
-
-    def __init__(self, runner: Runner) -> None:
-        self.runner = runner
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        self.runner.others.release()
-        self.runner.busy.release()
