@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -27,7 +29,7 @@ from . import formats, reference
 from .api import IndexCP
 from .config import CPIndexConfig
 from .plan import Plan
-from .validation import check_call
+from .validation import Checker
 
 _instances: weakref.WeakValueDictionary[int, IndexCP] = weakref.WeakValueDictionary()
 _plans: weakref.WeakValueDictionary[int, Plan] = weakref.WeakValueDictionary()
@@ -55,14 +57,57 @@ def _kernel_scorer(device: torch.device, fmt: str, heads: int, sm_scale: float):
 
 
 @functools.lru_cache(maxsize=64)
-def _op_config(heads: int, fmt: str, rows: int, width: int) -> CPIndexConfig:
-    """The bounds one ``block_scores`` call is validated against (cached, not built per call)."""
-    return CPIndexConfig(
+def _op_checker(heads: int, fmt: str, rows: int, width: int, device: torch.device) -> Checker:
+    """The checks one ``block_scores`` call shape is validated with: bounds from the call
+    itself, verdicts memoized across calls (cached, not built per call)."""
+    cfg = CPIndexConfig(
         num_heads=heads, world_size=1, cache_format=fmt, max_rows=rows, max_width=width
     )
+    return Checker(cfg, heads, device)
 
 
-@torch.library.custom_op("cpindex::block_scores", mutates_args=())
+# The ops are registered with torch.library directly: torch.library.custom_op's Python wrapper
+# costs tens of µs per eager call, the dispatcher's own path a few.
+_lib = torch.library.Library("cpindex", "DEF")
+_TAGS = (torch.Tag.pt2_compliant_tag,)
+_lib.define(
+    "block_scores(Tensor q, Tensor cache, Tensor? scales, Tensor block_table, Tensor seq_lens, "
+    "SymInt init_blocks, SymInt local_blocks, SymInt width, float sm_scale, SymInt query_len=1) "
+    "-> Tensor",
+    tags=_TAGS,
+)
+_lib.define(
+    "score_push(SymInt handle, Tensor iq, Tensor cache, Tensor? scales, Tensor block_table, "
+    "Tensor seq_lens, SymInt init_blocks, SymInt local_blocks, SymInt width, "
+    "SymInt query_len=1, SymInt? tag=None, SymInt plan=0) -> Tensor",
+    tags=_TAGS,
+)
+_lib.define(
+    "select_blocks(SymInt handle, Tensor iq, Tensor cache, Tensor? scales, Tensor block_table, "
+    "Tensor seq_lens, SymInt init_blocks, SymInt local_blocks, SymInt width, "
+    "SymInt query_len=1, SymInt topk=16, SymInt? tag=None, SymInt plan=0) -> (Tensor, Tensor)",
+    tags=_TAGS,
+)
+
+
+def _register(name: str, fake: Callable[..., Any]) -> Callable[[Callable[..., Any]], Any]:
+    """Registers the decorated function as ``cpindex::name``'s kernel on the devices cpindex
+    runs on (CUDA covers HIP), and ``fake`` as its fake (meta) implementation."""
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        for key in ("CPU", "CUDA"):
+            _lib.impl(name, fn, key)
+        torch.library.register_fake(f"cpindex::{name}", fake, lib=_lib)
+        return fn
+
+    return wrap
+
+
+def _block_scores_fake(q, cache, scales, block_table, seq_lens, init, local, width, sm_scale, t=1):
+    return q.new_empty((q.shape[1], q.shape[0], width), dtype=torch.float32)
+
+
+@_register("block_scores", _block_scores_fake)
 def _block_scores(
     q: torch.Tensor,
     cache: torch.Tensor,
@@ -76,33 +121,27 @@ def _block_scores(
     query_len: int = 1,
 ) -> torch.Tensor:
     index_cache = _join(cache, scales)
-    if q.dim() != 3:
-        raise ValueError(f"q: expected [rows, heads, 128], got {list(q.shape)}")
-    rows, heads = q.shape[0], q.shape[1]
+    shape = q.shape
+    if len(shape) != 3:
+        raise ValueError(f"q: expected [rows, heads, 128], got {list(shape)}")
+    rows, heads = shape[0], shape[1]
     fmt = formats.detect_format(index_cache)
-    cfg = _op_config(heads, fmt, max(1, rows), max(1, width))
-    check_call(
-        cfg, heads, q.device, q, index_cache, block_table, seq_lens, init_blocks,
-        local_blocks, width, query_len,
-    )  # fmt: skip
-    if q.device.type != "cuda":
+    device = q.device
+    checker = _op_checker(heads, fmt, max(1, rows), max(1, width), device)
+    checker.call(q, index_cache, block_table, seq_lens, init_blocks, local_blocks, width, query_len)
+    if device.type != "cuda":
         return reference.block_scores(
             q, index_cache, block_table, seq_lens, init_blocks=init_blocks,
             local_blocks=local_blocks, width=width, sm_scale=sm_scale, query_len=query_len,
         )  # fmt: skip
-    scorer = _kernel_scorer(q.device, fmt, heads, sm_scale)
+    scorer = _kernel_scorer(device, fmt, heads, sm_scale)
     scorer.monitor.check()
-    out = torch.empty(heads, rows, width, device=q.device)
+    out = torch.empty(heads, rows, width, device=device)
     scorer.score_local(
         q, index_cache, block_table, seq_lens, out,
         init_blocks=init_blocks, local_blocks=local_blocks, width=width, query_len=query_len,
     )  # fmt: skip
     return out
-
-
-@_block_scores.register_fake
-def _(q, cache, scales, block_table, seq_lens, init_blocks, local_blocks, width, sm_scale, t=1):
-    return q.new_empty((q.shape[1], q.shape[0], width), dtype=torch.float32)
 
 
 def block_scores(
@@ -177,7 +216,13 @@ def _unpack(
     return block_table, seq_lens, init_blocks, local_blocks, width, query_len, 0  # type: ignore[return-value]
 
 
-@torch.library.custom_op("cpindex::score_push", mutates_args=())
+def _score_push_fake(handle, iq, cache, scales, bt, sl, init, local, width, t=1, tag=None, plan=0):
+    # heads_per_rank from iq's shape, not the handle: dynamo may turn the handle into a SymInt
+    hpr = iq.shape[1] if iq.dim() == 3 else 1
+    return iq.new_empty((hpr, iq.shape[0], width), dtype=torch.float32)
+
+
+@_register("score_push", _score_push_fake)
 def _score_push(
     handle: int,
     iq: torch.Tensor,
@@ -202,13 +247,6 @@ def _score_push(
             query_len=query_len, tag=tag,
         )  # fmt: skip
     return out.clone()
-
-
-@_score_push.register_fake
-def _(handle, iq, cache, scales, bt, sl, init, local, width, t=1, tag=None, plan=0):
-    # heads_per_rank from iq's shape, not the handle: dynamo may turn the handle into a SymInt
-    hpr = iq.shape[1] if iq.dim() == 3 else 1
-    return iq.new_empty((hpr, iq.shape[0], width), dtype=torch.float32)
 
 
 def score_push(
@@ -238,7 +276,15 @@ def score_push(
     )
 
 
-@torch.library.custom_op("cpindex::select_blocks", mutates_args=())
+def _select_blocks_fake(
+    handle, iq, cache, scales, bt, sl, init, local, width, t=1, topk=16, tag=None, plan=0
+):
+    hpr = iq.shape[1] if iq.dim() == 3 else 1  # from iq, not the handle (see score_push's)
+    shape = (hpr, iq.shape[0], topk)
+    return iq.new_empty(shape, dtype=torch.int32), iq.new_empty(shape, dtype=torch.float32)
+
+
+@_register("select_blocks", _select_blocks_fake)
 def _select_blocks(
     handle: int,
     iq: torch.Tensor,
@@ -266,13 +312,6 @@ def _select_blocks(
             query_len=query_len, topk=topk, return_scores=True, tag=tag,
         )  # fmt: skip
     return ids.clone(), scores.clone()
-
-
-@_select_blocks.register_fake
-def _(handle, iq, cache, scales, bt, sl, init, local, width, t=1, topk=16, tag=None, plan=0):
-    hpr = iq.shape[1] if iq.dim() == 3 else 1  # from iq, not the handle (see score_push's)
-    shape = (hpr, iq.shape[0], topk)
-    return iq.new_empty(shape, dtype=torch.int32), iq.new_empty(shape, dtype=torch.float32)
 
 
 def select_blocks(
