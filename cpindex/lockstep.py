@@ -243,6 +243,7 @@ def exchange(
     try:
         return rendezvous(comm, key, payload, timeout_s)
     except CollectiveTimeout as e:
+        what = str(what)  # the errors' ``phase`` is a str
         late = ", ".join(map(str, e.late)) or "unknown"
         if e.abandoned:
             msg = (
@@ -262,9 +263,9 @@ def exchange(
             phase=what,
         ) from None
     except CollectiveFailed as e:
-        raise lost_connection(comm, what, e.detail, call_no) from None
+        raise lost_connection(comm, str(what), e.detail, call_no) from None
     except DIST_ERRORS as e:  # a store request the comm did not wrap
-        raise lost_connection(comm, what, f"{type(e).__name__}: {e}", call_no) from None
+        raise lost_connection(comm, str(what), f"{type(e).__name__}: {e}", call_no) from None
 
 
 def store_host(comm: Comm) -> int | None:
