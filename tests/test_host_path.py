@@ -1,0 +1,408 @@
+"""The host path's caches never answer for an input they have not seen (docs/design.md, "The
+host path"): verdicts memoized by tensor metadata, per-tensor views, per-shape output views.
+
+On the CPU, behind ``IndexCP`` and ``torch.ops.cpindex.block_scores``, the reference scores: each
+call here is compared with the reference computed afresh from that call's inputs, after calls
+that warmed every cache with other data, other metadata at the same address, or the same
+tensors changed in place. And every check still fires once the caches are warm, before
+anything is scored (the outputs stay poisoned)."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from cpindex import CPIndexConfig, IndexCP, formats, memo, ops, reference, testing
+from cpindex.plan import Plan
+from cpindex.world import run_threads
+
+REQ, T, MAX_LEN, W = 3, 2, 900, 8  # 900 tokens: 8 blocks
+H = 4  # one rank: every head is its own
+CFG = dict(max_rows=16, max_query_len=4, max_width=16, cp_min_blocks=0)
+
+
+def _problem(seed: int, fmt: str = "nvfp4", requests: int = REQ, t: int = T) -> testing.Problem:
+    return testing.make_problem(requests, MAX_LEN, fmt, query_len=t, seed=seed, width=W)
+
+
+def _want(p: testing.Problem, q=None, cache=None) -> torch.Tensor:
+    return reference.block_scores(
+        p.q if q is None else q, p.index_cache if cache is None else cache, p.block_table,
+        p.seq_lens, init_blocks=0, local_blocks=1, width=p.width, query_len=p.query_len,
+    )  # fmt: skip
+
+
+def _top(p: testing.Problem, q=None, cache=None, topk: int = 4) -> torch.Tensor:
+    return reference.select_blocks(
+        p.q if q is None else q, p.index_cache if cache is None else cache, p.block_table,
+        p.seq_lens, init_blocks=0, local_blocks=1, width=p.width, query_len=p.query_len,
+        topk=topk,
+    )  # fmt: skip
+
+
+def _on_instance(fn: Callable, fmt: str = "nvfp4", world: int = 1, **cfg) -> list:
+    def rank(comm):
+        config = CPIndexConfig(cache_format=fmt, **{**CFG, **cfg})
+        with IndexCP(config, device="cpu", comm=comm) as cp:
+            return fn(cp, comm)
+
+    return run_threads(world, rank)
+
+
+def _push(cp: IndexCP, p: testing.Problem, q=None, cache=None, plan=None) -> torch.Tensor:
+    q = p.q if q is None else q
+    cache = p.index_cache if cache is None else cache
+    if plan is not None:
+        return cp.score_push(q, cache, plan, tag=1).clone()
+    return cp.score_push(
+        q, cache, p.block_table, p.seq_lens, 0, 1, p.width, query_len=p.query_len, tag=1
+    ).clone()
+
+
+# ---- the caches themselves -------------------------------------------------------------------
+def test_check_key_tells_apart_what_checks_read():
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    a = buf[:2048].view(16, 128)
+    assert memo.check_key(a) == memo.check_key(buf[:2048].view(16, 128))
+    assert memo.check_key(a) == memo.check_key(buf[32:2080].view(16, 128))  # same alignment
+    assert memo.check_key(a) != memo.check_key(buf[1:2049].view(16, 128))  # misaligned
+    assert memo.check_key(a) != memo.check_key(a.view(torch.float8_e4m3fn))
+    assert memo.check_key(a) != memo.check_key(a.view(8, 256))
+    assert memo.check_key(a) != memo.check_key(a.t())
+    for exotic in (a.float().to_sparse(), 3, None):
+        with pytest.raises(Exception):  # noqa: B017 - whatever it raises, callers check in full
+            memo.check_key(exotic)
+
+
+def test_memo_is_bounded():
+    m: memo.Memo[int] = memo.Memo(capacity=4)
+    for i in range(10):
+        m.put(i, i)
+        assert len(m) <= 4 and m.get(i) == i
+
+
+def test_per_tensor_values_follow_the_object_and_its_metadata():
+    pt: memo.PerTensor[str] = memo.PerTensor()
+    t = torch.zeros(8, 16)
+    pt.put(t, "v")
+    assert pt.get(t) == "v"
+    assert pt.get(t.view(8, 16)) is None  # another object, same metadata: not this entry
+    t.resize_(4, 16)  # shape changed in place
+    assert pt.get(t) is None
+    pt.put(t, "w")
+    t.set_(torch.zeros(4, 16).untyped_storage(), 0, (4, 16), (16, 1))  # another storage
+    assert pt.get(t) is None
+    pt.put(t, "x")
+    t.as_strided_((2, 16), (32, 1))  # strides changed in place
+    assert pt.get(t) is None
+    pt.put(t, "y")
+    del t
+    gc.collect()
+    assert len(pt) == 0  # dropped with its tensor: nothing kept alive
+
+
+# ---- IndexCP: results follow every call's own inputs ------------------------------------------
+@pytest.mark.parametrize("world", [1, 2])
+def test_same_shapes_new_data_every_call(world):
+    probs = [_problem(seed) for seed in range(3)]
+
+    def job(cp, comm):
+        out = []
+        for p in probs:
+            q = p.rank_queries(comm.rank, comm.world_size)
+            plan = cp.plan(p.block_table, p.seq_lens, query_len=T, width=W)
+            out.append((
+                _push(cp, p, q), _push(cp, p, q, plan=plan),
+                cp.select_blocks(q, p.index_cache, plan, topk=4).clone(),
+            ))  # fmt: skip
+        return out
+
+    hpr = H // world
+    for rank, results in enumerate(_on_instance(job, world=world)):
+        heads = slice(rank * hpr, (rank + 1) * hpr)
+        for p, (positional, planned, ids) in zip(probs, results, strict=True):
+            assert torch.equal(positional, _want(p)[heads])
+            assert torch.equal(planned, _want(p)[heads])
+            assert torch.equal(ids, _top(p)[heads])
+
+
+def test_tensors_changed_in_place_between_calls():
+    p = _problem(10)
+    other = _problem(11)
+
+    def job(cp, comm):
+        plan = cp.plan(p.block_table, p.seq_lens, query_len=T, width=W)
+        first = (_push(cp, p), _push(cp, p, plan=plan))
+        p.q.copy_(other.q)
+        p.index_cache.copy_(other.index_cache)
+        p.block_table.copy_(other.block_table)
+        p.seq_lens.copy_(other.seq_lens)
+        return first, (_push(cp, p), _push(cp, p, plan=plan))
+
+    want_before = _want(_problem(10))
+    (a, b), (c, d) = _on_instance(job)[0]
+    assert torch.equal(a, want_before) and torch.equal(b, want_before)
+    assert torch.equal(c, _want(other)) and torch.equal(d, _want(other))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4", "nvfp4-pair", "nvfp4-interleaved"])
+def test_one_plan_across_layers(fmt):
+    base, form = testing.split_format(fmt)
+    p = _problem(20, base)
+    layers = []
+    for seed in range(21, 24):  # each layer its own queries and cache (same pages)
+        lp = _problem(seed, base)
+        cache = lp.index_cache if base != "nvfp4" else testing.nvfp4_form(lp.index_cache, form)
+        layers.append((lp.q, cache))
+
+    def job(cp, comm):
+        plan = cp.plan(p.block_table, p.seq_lens, query_len=T, width=W)
+        return [_push(cp, p, q, cache, plan=plan) for q, cache in layers for _ in range(2)]
+
+    got = _on_instance(job, fmt=base)[0]
+    for i, (q, cache) in enumerate(layers):
+        want = _want(p, q, cache)
+        assert torch.equal(got[2 * i], want) and torch.equal(got[2 * i + 1], want)
+
+
+def test_one_address_other_metadata():
+    """Tensors that start at one address but differ in shape, strides or dtype: each call is
+    checked and scored as what it is."""
+    p, small = _problem(30), _problem(31, requests=2)
+    cache = p.index_cache  # uint8 [pages, 9216]
+    pages = cache.shape[0]
+    qbuf = torch.empty(16 * H * 128, dtype=torch.float8_e4m3fn)  # one address for every iq
+
+    def at_start(q: torch.Tensor) -> torch.Tensor:
+        view = qbuf[: q.numel()].view(q.shape)
+        view.copy_(q)
+        return view
+
+    def job(cp, comm):
+        out = [_push(cp, p, at_start(p.q))]
+        out.append(_push(cp, small, at_start(small.q)))  # fewer rows, same address
+        out.append(_push(cp, p, at_start(p.q), cache.view(pages, 128, 72)))  # the 3-D form
+        with pytest.raises(ValueError, match="iq: expected a contiguous"):
+            strided = qbuf.as_strided((REQ * T, H, 128), (2 * H * 128, 128, 1))
+            cp.score_push(strided, cache, p.block_table, p.seq_lens, 0, 1, W, query_len=T)
+        with pytest.raises(TypeError, match="index_cache"):
+            cp.score_push(p.q, cache.view(torch.float8_e4m3fn), p.block_table, p.seq_lens, 0, 1,
+                          W, query_len=T)  # fmt: skip
+        with pytest.raises(ValueError, match="block_table"):  # the table's rows as one row
+            flat = p.block_table.view(1, -1)
+            cp.score_push(p.q, cache, flat, p.seq_lens, 0, 1, W, query_len=T)
+        out.append(_push(cp, p))
+        return out
+
+    got = _on_instance(job)[0]
+    assert torch.equal(got[0], _want(p)) and torch.equal(got[2], _want(p))
+    assert torch.equal(got[1], _want(small)) and torch.equal(got[3], _want(p))
+
+
+def test_returned_views_are_fresh_aliases():
+    p = _problem(40)
+
+    def job(cp, comm):
+        a = cp.score_push(p.q, p.index_cache, p.block_table, p.seq_lens, 0, 1, W, query_len=T)
+        ids, scores = cp.select_blocks(p.q, p.index_cache, p.block_table, p.seq_lens, 0, 1, W,
+                                       query_len=T, topk=4, return_scores=True)  # fmt: skip
+        a.unsqueeze_(0)  # the caller changes what it got, in place
+        ids.transpose_(0, 1)
+        scores.resize_(1)
+        b = cp.score_push(p.q, p.index_cache, p.block_table, p.seq_lens, 0, 1, W, query_len=T)
+        ids2, scores2 = cp.select_blocks(p.q, p.index_cache, p.block_table, p.seq_lens, 0, 1, W,
+                                         query_len=T, topk=4, return_scores=True)  # fmt: skip
+        assert b.data_ptr() == a.data_ptr() and b is not a  # a view of the same buffer
+        return b.clone(), b.shape, ids2.clone(), scores2.shape
+
+    b, shape, ids, sshape = _on_instance(job)[0]
+    assert shape == (H, REQ * T, W) and sshape == (H, REQ * T, 4)
+    assert torch.equal(b, _want(p)) and torch.equal(ids, _top(p))
+
+
+# ---- every check fires with the caches warm ------------------------------------------------
+def _offset(t: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """``t``'s shape and strides, starting ``nbytes`` further into a fresh buffer."""
+    buf = torch.zeros(t.numel() * t.element_size() + 64, dtype=torch.uint8)
+    start = 16 + nbytes
+    out = buf[start : start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
+
+
+def _bad_pages(p: testing.Problem) -> testing.Problem:
+    p.block_table[0, 0] = 10**6
+    return p
+
+
+# (name, edit of the arguments dict, the error, what it names)
+BAD: list[tuple[str, Callable[[dict], None], type, str]] = [
+    ("iq dtype", lambda a: a.update(iq=a["iq"].view(torch.uint8)), TypeError, "iq"),
+    ("iq heads", lambda a: a.update(iq=a["iq"][:, :2].contiguous()), ValueError, "iq"),
+    ("iq misaligned", lambda a: a.update(iq=_offset(a["iq"], 1)), ValueError, "iq: data must"),
+    (
+        "iq strides",
+        lambda a: a.update(iq=a["iq"].transpose(0, 1).contiguous().transpose(0, 1)),
+        ValueError,
+        "iq: expected a contiguous",
+    ),
+    ("iq rows", lambda a: a.update(iq=a["iq"][:-1]), ValueError, "iq"),
+    (
+        "cache dtype",
+        lambda a: a.update(index_cache=a["index_cache"].view(torch.int8)),
+        TypeError,
+        "index_cache",
+    ),
+    (
+        "cache misaligned",
+        lambda a: a.update(index_cache=_offset(a["index_cache"], 8)),
+        ValueError,
+        "index_cache: data must",
+    ),
+    (
+        "cache page stride",
+        lambda a: a.update(
+            index_cache=torch.zeros(a["index_cache"].shape[0], 9224, dtype=torch.uint8)[:, :9216]
+        ),
+        ValueError,
+        "index_cache: pages must",
+    ),
+    (
+        "block_table dtype",
+        lambda a: a.update(block_table=a["block_table"].long()),
+        TypeError,
+        "block_table",
+    ),
+    (
+        "block_table rows",
+        lambda a: a.update(block_table=a["block_table"][:-1]),
+        ValueError,
+        "block_table|seq_lens",
+    ),
+    (
+        "block_table strides",
+        lambda a: a.update(block_table=a["block_table"].t().contiguous().t()),
+        ValueError,
+        "block_table: rows must",
+    ),
+    ("seq_lens dtype", lambda a: a.update(seq_lens=a["seq_lens"].long()), TypeError, "seq_lens"),
+    ("seq_lens shape", lambda a: a.update(seq_lens=a["seq_lens"][:-1]), ValueError, "seq_lens"),
+    ("init_blocks bool", lambda a: a.update(init_blocks=False), TypeError, "init_blocks"),
+    ("local_blocks bool", lambda a: a.update(local_blocks=True), TypeError, "local_blocks"),
+    ("width bool", lambda a: a.update(width=True), TypeError, "width"),
+    ("width too small", lambda a: a.update(width=3), ValueError, "width"),
+    ("width past max", lambda a: a.update(width=17), ValueError, "width"),
+    ("query_len", lambda a: a.update(query_len=4), ValueError, "iq: rows must|seq_lens"),
+    ("query_len bool", lambda a: a.update(query_len=True), TypeError, "query_len"),
+    ("tag bool", lambda a: a.update(tag=True), TypeError, "tag"),
+    ("tag negative", lambda a: a.update(tag=-1), ValueError, "tag"),
+    (
+        "page outside the cache",
+        lambda a: a["block_table"].__setitem__((0, 0), 10**6),
+        ValueError,
+        "block_table: row 0",
+    ),
+    (
+        "length past the table",
+        lambda a: a["seq_lens"].__setitem__(0, 16 * 128),
+        ValueError,
+        "width",
+    ),
+]
+PLAN_ARGS = ("block_table", "seq_lens", "init_blocks", "local_blocks", "width", "query_len")
+
+
+def _args(p: testing.Problem) -> dict:
+    return dict(
+        iq=p.q, index_cache=p.index_cache, block_table=p.block_table, seq_lens=p.seq_lens,
+        init_blocks=0, local_blocks=1, width=W, query_len=T, tag=5,
+    )  # fmt: skip
+
+
+def _call(cp: IndexCP, op: Callable, args: dict, form: str) -> object:
+    """``op`` with ``args``, in the positional form or through a plan made of them."""
+    if form == "positional":
+        return op(**args)
+    plan = cp.plan(
+        args["block_table"], args["seq_lens"], init_blocks=args["init_blocks"],
+        local_blocks=args["local_blocks"], width=args["width"], query_len=args["query_len"],
+    )  # fmt: skip
+    return op(args["iq"], args["index_cache"], plan, tag=args["tag"])
+
+
+@pytest.mark.parametrize("form", ["positional", "plan"])
+@pytest.mark.parametrize("bad", BAD, ids=[b[0] for b in BAD])
+def test_a_warm_cache_skips_no_check(bad, form):
+    _, edit, error, match = bad
+    p = _problem(50)
+
+    def job(cp, comm):
+        args = _args(p)
+        for _ in range(2):  # warm every cache with the same tensors, valid
+            for f in ("positional", "plan"):
+                _call(cp, cp.score_push, args, f)
+                _call(cp, cp.select_blocks, args, f)
+        poisoned = cp._transport.scores_out(REQ * T, W)
+        poisoned.fill_(float("nan"))
+        edit(args)
+        for op in (cp.score_push, cp.select_blocks):
+            with pytest.raises(error, match=match):
+                _call(cp, op, args, form)
+        assert poisoned.isnan().all(), "something was scored before the check"
+        return True
+
+    assert _on_instance(job)[0]
+
+
+def test_a_warm_plan_form_checks_the_plan():
+    p = _problem(60)
+
+    def job(cp, comm):
+        plan = cp.plan(p.block_table, p.seq_lens, query_len=T, width=W)
+        cp.score_push(p.q, p.index_cache, plan)
+        with pytest.raises(TypeError, match="plan: pass either"):
+            cp.score_push(p.q, p.index_cache, plan, p.seq_lens)
+        foreign = CPIndexConfig(cache_format="nvfp4", **{**CFG, "max_rows": 12})
+        other = testing.make_problem(REQ, MAX_LEN, "nvfp4", query_len=T, width=W).block_table
+        with pytest.raises(ValueError, match="plan: made by"):
+            cp.score_push(p.q, p.index_cache, Plan(other, p.seq_lens, T, 0, 1, W, None, foreign))
+        return True
+
+    assert _on_instance(job)[0]
+
+
+# ---- torch.ops.cpindex.block_scores ---------------------------------------------------------
+def test_op_follows_new_data_and_checks_when_warm():
+    op = torch.ops.cpindex.block_scores
+    probs = [_problem(seed) for seed in (70, 71)]
+
+    def call(p: testing.Problem, **kw) -> torch.Tensor:
+        a = dict(q=p.q, cache=p.index_cache, bt=p.block_table, sl=p.seq_lens, w=W, t=T) | kw
+        return op(a["q"], a["cache"], None, a["bt"], a["sl"], 0, 1, a["w"], 128**-0.5, a["t"])
+
+    first = call(probs[0])
+    for p in probs * 2:
+        got = call(p)
+        assert got is not first and torch.equal(got, _want(p))  # a fresh tensor each call
+    p = probs[0]
+    assert torch.equal(first, _want(p))  # untouched by the calls after it
+    with pytest.raises(ValueError, match="iq: data must"):
+        call(p, q=_offset(p.q, 1))
+    with pytest.raises(ValueError, match="index_cache: data must"):
+        call(p, cache=_offset(p.index_cache, 8))
+    with pytest.raises(TypeError, match="block_table"):
+        call(p, bt=p.block_table.long())
+    with pytest.raises(ValueError, match="width"):
+        call(p, w=3)
+    with pytest.raises(ValueError, match="block_table: row 0"):
+        call(_bad_pages(_problem(72)))
+    pair = formats.to_nvfp4_pair(p.index_cache)
+    got = op(p.q, pair[0], pair[1], p.block_table, p.seq_lens, 0, 1, W, 128**-0.5, T)
+    assert torch.equal(got, _want(p))
+    assert torch.equal(
+        ops.block_scores(p.q, p.index_cache, p.block_table, p.seq_lens, width=W, query_len=T),
+        _want(p),
+    )
