@@ -58,7 +58,7 @@ def cache_parts(index_cache: formats.Cache) -> tuple[torch.Tensor, torch.Tensor 
     None. nvfp4 (a page-major tensor or the pair): zero-copy views of the values ``[pages, 128,
     64]`` and scales ``[pages, 128, 8]`` (:func:`cpindex.formats.nvfp4_views`), whose page and
     token strides the binding passes to the kernel. The cache was validated before
-    (``validation.check_call``, ``formats.write_keys``), so this only splits it."""
+    (``validation.Checker``, ``formats.write_keys``), so this only splits it."""
     if isinstance(index_cache, tuple) or index_cache.dtype == torch.uint8:
         return formats.nvfp4_views(index_cache, checked=True)
     return index_cache, None
