@@ -19,7 +19,9 @@ STUBS, here and nowhere else (never in tests or the library):
 * ``collective``: the communication is stubbed (the header round returns this rank's header,
   the all-gather and all-to-all do nothing) and the scorer is the stubbed kernel scorer, so the
   timed work is the path's own (header, views, copies); ``config.fingerprint`` is off (its
-  hash is device work on a GPU, CPU-only host work here).
+  hash is device work on a GPU, CPU-only host work here). Its copies and, for
+  ``select_blocks``, its top-k run on the CPU's data here: they are compute, not launches, so
+  these rows overstate the host time a GPU caller pays.
 * content checks that cpindex makes only for CPU tensors (``validation._check_contents`` and
   ``_check_pages``, which on a GPU the kernel makes) are no-ops, so the CPU times what a GPU
   caller pays.
@@ -184,7 +186,9 @@ def entries(comm) -> dict[str, Callable[[], object]]:
     for name, cp in (("ipc", ipc), ("collective", coll)):
         plan = cp.plan(bt, sl, query_len=QUERY_LEN, width=width)
         out |= {
-            f"{name}.score_push(plan)": lambda cp=cp, plan=plan: cp.score_push(q, cache, plan, tag=3),
+            f"{name}.score_push(plan)": lambda cp=cp, plan=plan: cp.score_push(
+                q, cache, plan, tag=3
+            ),
             f"{name}.select_blocks(plan)": lambda cp=cp, plan=plan: cp.select_blocks(
                 q, cache, plan, topk=TOPK, tag=3
             ),

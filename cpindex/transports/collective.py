@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from typing import NamedTuple
 
 import torch
 
@@ -43,6 +44,21 @@ TRAILER = 16
 #: The disagreement word, int64 ``[kind, peer, call, detail]``; kinds: block tables or
 #: lengths, replicated heads' queries (0: none recorded).
 KIND_TABLES, KIND_QUERIES = 1, 2
+
+
+class _ShareViews(NamedTuple):
+    """One call size's views of the gathered queries, the shard and the received scores."""
+
+    kw: int  # shard columns: ceil(width / W)
+    slot: int  # bytes of one rank's slot in the gathered buffer
+    gathered: torch.Tensor  # uint8 [W, slot]
+    mine: torch.Tensor  # this rank's slot
+    mine_q: torch.Tensor  # its query bytes
+    trailer: torch.Tensor  # int64 [2] after them (device agreement)
+    trailers: torch.Tensor  # int64 [W, 2]: every rank's
+    q_all: torch.Tensor  # [W, rows, hpr, 128] in the query dtype
+    shard: torch.Tensor  # float32 [H, rows, kw]
+    recv: torch.Tensor  # float32 [W, hpr, rows, kw]
 
 
 @register
@@ -73,6 +89,7 @@ class CollectiveTransport(Transport):
         self._recv = torch.empty(w * hpr * cfg.max_rows * kw, device=dev)
         self._out = torch.empty(hpr * cfg.max_rows * cfg.max_width, device=dev)
         self._out_views: Memo[torch.Tensor] = Memo()
+        self._share_views: Memo[_ShareViews] = Memo()
         self._cand = torch.empty(
             w * hpr * cfg.max_rows * cfg.max_topk, dtype=torch.int64, device=dev
         )
@@ -135,7 +152,7 @@ class CollectiveTransport(Transport):
         rows, width = call.plan.rows, call.plan.width
         shard, kw = self._score_share(call)
         send = shard if self._send_heads is None else shard.index_select(0, self._send_heads)
-        recv = self._recv[: w * hpr * rows * kw].view(w, hpr, rows, kw)
+        recv = self._views(rows, width).recv
         self._collective(
             "all-to-all of scores", self.ctx.comm.all_to_all_into, recv, send.view(w, hpr, rows, kw)
         )
@@ -190,32 +207,54 @@ class CollectiveTransport(Transport):
             return selection.score_bytes(cfg, w, rows, width)
         return selection.candidate_bytes(cfg, w, rows, topk)
 
+    def _views(self, rows: int, width: int) -> _ShareViews:
+        """The views of this transport's buffers a call of ``rows`` x ``width`` works in, made
+        once per size (internal: never handed to a caller)."""
+        got = self._share_views.get((rows, width))
+        if got is not None:
+            return got
+        cfg, w, rank, hpr = self.ctx.config, self.ctx.world, self.ctx.rank, self.ctx.heads_per_rank
+        kw = partition.shard_width(width, w)
+        q_bytes = rows * hpr * cfg.head_dim * self._elem
+        slot = q_bytes + (TRAILER if self.agree_on_device else 0)
+        gathered = self._q[: w * slot].view(w, slot)
+        mine = gathered[rank]  # with agreement gathered in place: this rank's slot is its input
+        return self._share_views.put(
+            (rows, width),
+            _ShareViews(
+                kw=kw,
+                slot=slot,
+                gathered=gathered,
+                mine=mine,
+                mine_q=mine[:q_bytes],
+                trailer=mine[q_bytes:].view(torch.int64),
+                trailers=gathered[:, q_bytes:].view(torch.int64),
+                q_all=gathered[:, :q_bytes].view(self.qdtype).view(w, rows, hpr, cfg.head_dim),
+                shard=self._shard[: cfg.num_heads * rows * kw].view(cfg.num_heads, rows, kw),
+                recv=self._recv[: w * hpr * rows * kw].view(w, hpr, rows, kw),
+            ),
+        )
+
     def _score_share(self, call: Call) -> tuple[torch.Tensor, int]:
         """Steps 1-2: gather every rank's queries, score this rank's share of every row's
         blocks for all heads. Returns the ``[H, rows, kw]`` shard and ``kw``."""
         cfg, w, rank, hpr = self.ctx.config, self.ctx.world, self.ctx.rank, self.ctx.heads_per_rank
         plan = call.plan
-        rows, width, d = plan.rows, plan.width, cfg.head_dim
-        kw = partition.shard_width(width, w)
+        width = plan.width
+        v = self._views(plan.rows, width)
+        kw, slot, gathered, q_all, shard = v.kw, v.slot, v.gathered, v.q_all, v.shard
         self.calls += 1
-        q_bytes = rows * hpr * d * self._elem
         if self.agree_on_device:
-            slot = q_bytes + TRAILER
-            gathered = self._q[: w * slot].view(w, slot)
-            mine = gathered[rank]  # gathered in place: this rank's slot is its input
-            mine[:q_bytes].copy_(call.iq.view(-1).view(torch.uint8))
-            self._stamp(mine[q_bytes:].view(torch.int64), call)
-            self._collective("all-gather of queries", self.ctx.comm.all_gather_into, gathered, mine)
-            self._compare(gathered[:, q_bytes:].view(torch.int64))
+            v.mine_q.copy_(call.iq.view(-1).view(torch.uint8))
+            self._stamp(v.trailer, call)
+            self._collective(
+                "all-gather of queries", self.ctx.comm.all_gather_into, gathered, v.mine
+            )
+            self._compare(v.trailers)
         else:
-            slot = q_bytes
-            gathered = self._q[: w * slot].view(w, slot)
             self._collective(
                 "all-gather of queries", self.ctx.comm.all_gather_into, gathered, call.iq
             )
-        q_all = gathered[:, :q_bytes].view(self.qdtype).view(w, rows, hpr, d)
-
-        shard = self._shard[: cfg.num_heads * rows * kw].view(cfg.num_heads, rows, kw)
         if self.scorer is not None:
             self.scorer.score_local(
                 q_all,
