@@ -21,6 +21,9 @@
 #   bench-kernel [ARGS]    python -m cpindex bench --kernel (default: bf16,fp8,nvfp4; 300 s)
 #   bench-ab [ARGS]        python -m cpindex bench, the transport A/B (default: ipc against
 #                          collective, W = 4; 300 s)
+#   bench-gate [ARGS]      python -m cpindex bench --gate, the CP gate's crossover (default:
+#                          nvfp4, W = 4: one process per GPU with 4 GPUs, else the one-process
+#                          world on GPU 0; 300 s; no plot)
 #   profile FMT REQUESTS CONTEXT [QUERY_LEN [WORLD]]
 #                          Nsight Compute on benchmarks/profile_kernel.py: speed of light,
 #                          occupancy, stall reasons per issued instruction, pipe use (150 s)
@@ -30,12 +33,13 @@
 #                          layouts and accumulation precision (docs/kernel.md)
 #   all                    tests, demo, bench-kernel and bench-ab with their defaults
 #
-# The bench commands add --out DIR/NAME.json, and --plot DIR/NAME.png where matplotlib is
-# importable (pip install -e ".[bench]"). A step's summary is printed; its full log is in DIR.
+# The bench commands add --out DIR/NAME.json, and (except bench-gate) --plot DIR/NAME.png where
+# matplotlib is importable (pip install -e ".[bench]"). A step's summary is printed; its full
+# log is in DIR.
 # The kernel build cache is the library's (CPINDEX_CACHE_DIR, default ~/.cache/cpindex).
 set -uo pipefail
 
-usage() { sed -n '2,35p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,39p' "$0" | sed 's/^# \{0,1\}//'; }
 
 RESULTS=${TMPDIR:-/tmp}/cpindex-device
 WHEELS=
@@ -125,7 +129,9 @@ cmd_demo() {
 run_bench() {  # run_bench NAME ARGS...: python -m cpindex bench ARGS, results as DIR/NAME.*
   local name=$1 plot=()
   shift
-  if has matplotlib; then
+  if [ "$name" = gate ]; then
+    :  # the gate sweep draws no plot: its table and JSON hold every figure
+  elif has matplotlib; then
     plot=(--plot "$RESULTS/$name.png")
   else
     echo "(matplotlib not installed: no plot)"
@@ -146,6 +152,11 @@ cmd_bench_kernel() {
 cmd_bench_ab() {
   [ $# -eq 0 ] && set -- --world 4 --transports ipc,collective --formats nvfp4,fp8
   run_bench ab "$@"
+}
+
+cmd_bench_gate() {
+  [ $# -eq 0 ] && set -- --world 4 --formats nvfp4
+  run_bench gate --gate "$@"
 }
 
 cmd_profile() {
@@ -184,7 +195,7 @@ cmd_wgmma_probe() {
 }
 
 case $cmd in
-  env | tests | demo | bench-kernel | bench-ab | profile | probe | wgmma-probe | all) ;;
+  env | tests | demo | bench-kernel | bench-ab | bench-gate | profile | probe | wgmma-probe | all) ;;
   *) echo "unknown command: $cmd (bash $0 -h lists them)" >&2; exit 2 ;;
 esac
 setup || exit 1
@@ -194,6 +205,7 @@ case $cmd in
   demo) cmd_demo "$@" ;;
   bench-kernel) cmd_bench_kernel "$@" ;;
   bench-ab) cmd_bench_ab "$@" ;;
+  bench-gate) cmd_bench_gate "$@" ;;
   profile) cmd_profile "$@" ;;
   probe) cmd_probe "$@" ;;
   wgmma-probe) cmd_wgmma_probe ;;

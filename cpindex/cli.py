@@ -9,7 +9,8 @@ import sys
 DESCRIPTION = (
     "cpindex: context-parallel decode block scoring for MiniMax-M3 sparse attention. "
     "'demo' runs one decode step on a W-rank world and checks every rank against the "
-    "reference; 'bench' times the transports (or the kernel alone); 'info' shows this "
+    "reference; 'bench' times the transports (or the kernel alone, or the CP gate's "
+    "crossover); 'info' shows this "
     "machine's GPUs and what transport 'auto' would pick."
 )
 BENCH_EXTRA = "pip install cpindex[bench]"
@@ -116,10 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser(
         "bench",
-        help="time the transports (or the kernel alone) on this machine",
+        help="time the transports (or the kernel alone, or the CP gate) on this machine",
         description="Times every transport on the same full-length decode steps, beside one "
         "rank's share scored alone ('score') and the full scan of one head without CP "
-        "('no-CP'); with --kernel, the fused kernel alone against the copy bandwidth. "
+        "('no-CP'); with --kernel, the fused kernel alone against the copy bandwidth; with "
+        "--gate, each size context-parallel and scored locally, the crossover between them "
+        "and what calls below it save. Each mode takes the options below that apply to it. "
         f"The progress bar and --plot need the bench extra: {BENCH_EXTRA}.",
         formatter_class=_Formatter,
     )
@@ -129,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="LIST",
         default=None,
         help="comma list of transports to compare; ipc and mori need GPUs (default: "
-        "collective,ipc on a GPU machine, collective on a CPU machine)",
+        "collective,ipc on a GPU machine, collective on a CPU machine; --gate: one transport, "
+        "auto)",
     )
     b.add_argument(
         "--world",
@@ -153,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="LIST",
         default=None,
         help="comma list of row counts (default: 1,8,32 on a GPU, 1,8 on CPU; "
-        "--kernel: 1,8,32,128)",
+        "--kernel: 1,8,32,128; --gate: requests 1,2,4,8,16,32 on a GPU)",
     )
     b.add_argument(
         "--context",
@@ -161,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="LIST",
         default=None,
         help="comma list of context lengths in tokens, k = 1024 (default: 8k,32k,128k on a "
-        "GPU, 2k,8k on CPU; --kernel: 8k,32k,128k,512k)",
+        "GPU, 2k,8k on CPU; --kernel: 8k,32k,128k,512k; --gate: 4k,16k,64k,128k on a GPU)",
     )
     b.add_argument(
         "--query-len",
@@ -170,13 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="LIST",
         default="1",  # parsed by _ints like a given value, so the help shows "1"
         help="comma list of query tokens per request (speculative/MTP decode); --rows counts "
-        "requests, each scoring T rows",
+        "requests, each scoring T rows; --gate: one sweep per T",
     )
     b.add_argument(
         "--select",
         action="store_true",
         help="transport A/B: also time select_blocks (topk 16) beside score_push + torch.topk, "
-        "with the bytes each exchange sends",
+        "with the bytes each exchange sends; --gate: also sweep select_blocks",
     )
     b.add_argument(
         "--graphs",
@@ -205,6 +209,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the agreement hash's cost: score_push and select_blocks through ipc with "
         "config.fingerprint off and on (the one-process world, --world ranks on one GPU)",
+    )
+    mode.add_argument(
+        "--gate",
+        action="store_true",
+        help="the CP gate: each size (--rows requests x --context) timed context-parallel "
+        "(cp_min_blocks=0) and scored locally on the same inputs, with one transport; prints "
+        "the crossover, what calls below it save and where cp_min_blocks='auto' puts the "
+        "threshold (one process per GPU with --world GPUs, else the one-process world)",
     )
     b.add_argument(
         "--iters",

@@ -273,6 +273,23 @@ _CPU = not torch.cuda.is_available()
                      "ipc needs GPUs", marks=pytest.mark.skipif(not _CPU, reason="CPU only")),
         pytest.param(["bench", "--kernel"], "cpindex bench: error: --kernel needs a GPU",
                      marks=pytest.mark.skipif(not _CPU, reason="CPU only")),
+        (["bench", "--gate", "--transports", "collective,auto"], "cpindex bench: error: --gate "
+         "--transports collective,auto: one transport at a time"),
+        (["bench", "--gate", "--plot", "gate.png"], "cpindex bench: error: --plot: not with "
+         "--gate"),
+        (["bench", "--gate", "--rccl-tests", "alltoall_perf"], "cpindex bench: error: "
+         "--rccl-tests: not with --gate"),
+        (["bench", "--gate", "--world", "3"], "cpindex bench: error: --world 3: num_heads (4) "
+         "and world_size (3) must divide one another"),
+        (["bench", "--gate", "--query-len", "2,9"], "cpindex bench: error: --query-len: at most "
+         "8"),
+        (["bench", "--gate", "--formats", "nvfp4-pool"], "cpindex bench: error: --formats "
+         "nvfp4-pool: only with --kernel"),
+        (["bench", "--gate", "--rows", "70000"], "cpindex bench: error: "
+         "--rows/--context/--query-len: "),
+        pytest.param(["bench", "--gate", "--transports", "ipc"], "cpindex bench: error: "
+                     "--transports ipc: ipc needs GPUs",
+                     marks=pytest.mark.skipif(not _CPU, reason="CPU only")),
     ],
 )  # fmt: skip
 def test_arguments_are_checked_before_any_rank_starts(capsys, tmp_path, monkeypatch, argv, says):
@@ -298,3 +315,59 @@ def test_version(capsys):
 def test_query_len_takes_the_comma_list_its_help_promises():
     args = build_parser().parse_args(["bench", "--query-len", "1,4"])
     assert args.query_len == [1, 4]
+
+
+# --------------------------------------------------------------------------------------- --gate
+
+
+def _gate_specs(*argv: str):
+    from cpindex.bench.runner import gate_specs
+
+    return gate_specs(build_parser().parse_args(["bench", "--gate", *argv]), gpu=False)
+
+
+def test_gate_is_a_bench_mode_of_its_own(capsys):
+    code, out, err = _main(capsys, "bench", "--help")
+    assert code == 0, err
+    text = " ".join(out.split())
+    for shown in ("--gate", "--gate: one transport, auto", "--gate: one sweep per T",
+                  "--gate: also sweep select_blocks", "cp_min_blocks='auto'"):  # fmt: skip
+        assert shown in text, shown
+    assert build_parser().parse_args(["bench", "--gate"]).gate is True
+    code, _, err = _main(capsys, "bench", "--gate", "--kernel")
+    assert code == 2 and "not allowed with argument" in err, err
+
+
+def test_gate_specs_one_sweep_per_format_query_length_and_call():
+    """The bench flags that apply become the sweeps' fields: a sweep per (format, T, call),
+    every one on the one transport and world; the CPU defaults where a list is not given."""
+    specs = _gate_specs("--formats", "fp8,nvfp4", "--query-len", "1,4", "--select",
+                        "--world", "2", "--rows", "1,8", "--context", "1k,4k", "--iters", "3",
+                        "--no-graphs", "--transports", "collective")  # fmt: skip
+    assert [(s.fmt, s.query_len, s.op) for s in specs] == [
+        ("fp8", 1, "score_push"), ("fp8", 1, "select_blocks"),
+        ("fp8", 4, "score_push"), ("fp8", 4, "select_blocks"),
+        ("nvfp4", 1, "score_push"), ("nvfp4", 1, "select_blocks"),
+        ("nvfp4", 4, "score_push"), ("nvfp4", 4, "select_blocks"),
+    ]  # fmt: skip
+    for s in specs:
+        assert (s.world, s.transport, s.iters, s.graphs) == (2, "collective", 3, False)
+        assert (s.requests, s.contexts) == ([1, 8], [1024, 4096])
+    (default,) = _gate_specs()
+    assert (default.fmt, default.world, default.transport, default.op) == (
+        "nvfp4", 4, "auto", "score_push",
+    )  # fmt: skip
+    assert (default.requests, default.contexts, default.iters) == ([1, 8], [2048, 8192], 5)
+
+
+def test_gate_config_is_built_from_the_spec_and_the_world():
+    """Each rank's configuration comes from (spec, world): the spec's transport and format,
+    sized for its largest call; the gate forced either way or left to auto."""
+    from cpindex.bench import gate_sweep
+
+    (spec,) = _gate_specs("--transports", "collective", "--formats", "fp8", "--rows", "2,6",
+                          "--context", "1k,3000", "--query-len", "3", "--world", "2")  # fmt: skip
+    cfg = gate_sweep.config(spec, 2)
+    assert (cfg.transport, cfg.cache_format, cfg.world_size) == ("collective", "fp8", 2)
+    assert (cfg.max_rows, cfg.max_query_len, cfg.max_width) == (18, 3, 24)
+    assert cfg.cp_min_blocks == "auto" and gate_sweep.config(spec, None, 0).cp_min_blocks == 0

@@ -14,7 +14,6 @@ scanning every block for its own head (what TP does without CP); and the scan by
 from __future__ import annotations
 
 import itertools
-import sys
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -27,6 +26,7 @@ from ..spawn import spawn_processes
 from ..world import run_threads
 from . import kernel_sweep
 from .timing import (
+    Progress,
     copy_bandwidth_gbs,
     summarize,
     synthetic_cache,
@@ -99,34 +99,10 @@ def _time(fn, spec: Spec, device: torch.device, capturable: bool = True, comm=No
     return time_calls(fn, spec.iters, 3, device)
 
 
-def _progress(total: int, enabled: bool):
-    """A tqdm bar (stderr) on rank 0 when tqdm is installed (``cpindex[bench]``), else None."""
-    if not enabled:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc="bench", unit="shape", leave=False, file=sys.stderr)
-
-
-def _advance(bar, done: int, total: int, rec: dict) -> None:
-    """Progress on stderr only: the table goes to stdout once, at the end."""
-    if bar is not None:
-        bar.update(1)
-    else:
-        print(
-            f"bench: {done}/{total} {rec['format']} rows={rec['rows']} T={rec['query_len']} "
-            f"context={rec['context']}",
-            file=sys.stderr,
-            flush=True,
-        )
-
-
 def _rank_job(comm: Comm, spec: Spec, device: torch.device) -> list[dict]:
     out: list[dict] = []
     shapes = len(spec.formats) * len(spec.rows) * len(spec.contexts) * len(spec.query_lens)
-    bar = _progress(shapes, comm.rank == 0)
+    progress = Progress(shapes, "bench", comm.rank == 0)
     copy_gbs = None
     if comm.rank == 0:  # alone on the device: the roofline the 'score' column is read against
         copy_gbs = copy_bandwidth_gbs(device, 1 << 30 if device.type == "cuda" else 1 << 26)
@@ -189,13 +165,11 @@ def _rank_job(comm: Comm, spec: Spec, device: torch.device) -> list[dict]:
             )
             rec["scan_bytes_full"] = partition.scanned_blocks(prob.seq_lens, 0, 1, 0, 1) * page
             out.append(rec)
-            if comm.rank == 0:
-                _advance(bar, len(out), shapes, rec)
+            progress.step(f"{fmt} rows={rows} T={t_len} context={ctx}")
             del prob
         for cp in cps.values():
             cp.close()
-    if bar is not None:
-        bar.close()
+    progress.close()
     return out
 
 

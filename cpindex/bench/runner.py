@@ -1,5 +1,6 @@
-"""Entry of ``python -m cpindex bench``: the kernel sweep or the transport A/B, then the
-nccl-tests/rccl-tests comparison, JSON and an optional plot."""
+"""Entry of ``python -m cpindex bench``: the transport A/B (then the nccl-tests/rccl-tests
+comparison), or one of the other modes (the kernel sweep, the gate sweep, the write, host and
+agreement costs); JSON and an optional plot."""
 
 from __future__ import annotations
 
@@ -7,13 +8,14 @@ import argparse
 import datetime
 import json
 import platform
+from collections.abc import Callable
 
 import torch
 
 from .. import kernels
 from ..cli import BENCH_EXTRA, FORMATS, GPU_TRANSPORTS, UsageError, first_error
 from ..config import MAX_QUERY_LEN, CPIndexConfig
-from . import ab, agree_cost, host_cost, kernel_sweep, nccl_tests, write_sweep
+from . import ab, agree_cost, gate_sweep, host_cost, kernel_sweep, nccl_tests, write_sweep
 
 K = 1024
 
@@ -33,24 +35,55 @@ def require_matplotlib() -> None:
         raise UsageError(f"--plot needs matplotlib ({e}); install it with: {BENCH_EXTRA}") from None
 
 
-def ab_spec(args: argparse.Namespace, gpu: bool) -> ab.Spec:
-    """The transport A/B's spec from the options, checked before any rank starts: what every
-    rank would refuse is a :class:`UsageError` naming the option."""
+def _transports(args: argparse.Namespace, gpu: bool, default: list[str]) -> list[str]:
+    """``--transports`` as a list (``default`` where it is not given); a transport that needs
+    GPUs is a :class:`UsageError` on a CPU machine."""
     if args.transports is None:
-        transports = ["collective", "ipc"] if gpu else ["collective"]
-    else:
-        transports = args.transports.split(",")
-        need_gpus = [t for t in transports if t in GPU_TRANSPORTS]
-        if need_gpus and not gpu:
-            raise UsageError(
-                f"--transports {args.transports}: {', '.join(need_gpus)} "
-                f"need{'s' if len(need_gpus) == 1 else ''} GPUs and this machine has none; on "
-                "a CPU machine only collective (or auto) runs"
-            )
+        return default
+    transports = args.transports.split(",")
+    need_gpus = [t for t in transports if t in GPU_TRANSPORTS]
+    if need_gpus and not gpu:
+        raise UsageError(
+            f"--transports {args.transports}: {', '.join(need_gpus)} "
+            f"need{'s' if len(need_gpus) == 1 else ''} GPUs and this machine has none; on "
+            "a CPU machine only collective (or auto) runs"
+        )
+    return transports
+
+
+def _formats(args: argparse.Namespace) -> list[str]:
+    """``--formats`` as a list of plain cache formats (the other nvfp4 forms are the kernel
+    sweep's alone)."""
     fmts = args.formats.split(",")
     forms = [f for f in fmts if f not in FORMATS]
     if forms:
         raise UsageError(f"--formats {','.join(forms)}: only with --kernel (the kernel sweep)")
+    return fmts
+
+
+def _check_world(world: int, query_lens: list[int]) -> None:
+    """What every rank's configuration would refuse of ``--world`` and ``--query-len``."""
+    try:
+        CPIndexConfig(world_size=world)  # the heads (4) split over the ranks
+    except ValueError as e:
+        raise UsageError(f"--world {world}: {first_error(e)}") from None
+    if max(query_lens) > MAX_QUERY_LEN:
+        raise UsageError(f"--query-len: at most {MAX_QUERY_LEN} query tokens per request")
+
+
+def _check_sizes(build: Callable[[], object]) -> None:
+    """``build()`` makes the ranks' configurations: what it refuses names the size options."""
+    try:
+        build()
+    except ValueError as e:
+        raise UsageError(f"--rows/--context/--query-len: {first_error(e)}") from None
+
+
+def ab_spec(args: argparse.Namespace, gpu: bool) -> ab.Spec:
+    """The transport A/B's spec from the options, checked before any rank starts: what every
+    rank would refuse is a :class:`UsageError` naming the option."""
+    transports = _transports(args, gpu, ["collective", "ipc"] if gpu else ["collective"])
+    fmts = _formats(args)
     if args.rccl_tests and not gpu:
         raise UsageError("--rccl-tests: the all-to-all comparison needs GPUs")
     spec = ab.Spec(
@@ -64,23 +97,52 @@ def ab_spec(args: argparse.Namespace, gpu: bool) -> ab.Spec:
         query_lens=args.query_len,
         select=args.select,
     )
-    try:
-        CPIndexConfig(world_size=spec.world)  # the heads (4) split over the ranks
-    except ValueError as e:
-        raise UsageError(f"--world {spec.world}: {first_error(e)}") from None
-    if max(spec.query_lens) > MAX_QUERY_LEN:
-        raise UsageError(f"--query-len: at most {MAX_QUERY_LEN} query tokens per request")
-    try:
-        ab.configs(spec, spec.world)
-    except ValueError as e:
-        raise UsageError(f"--rows/--context/--query-len: {first_error(e)}") from None
+    _check_world(spec.world, spec.query_lens)
+    _check_sizes(lambda: ab.configs(spec, spec.world))
     return spec
 
 
+def gate_specs(args: argparse.Namespace, gpu: bool) -> list[gate_sweep.Spec]:
+    """The gate sweeps from the options (``--gate``), checked before any rank starts: one per
+    format, query length and call (``score_push``; with ``--select`` also ``select_blocks``),
+    all on one transport and one world. What every rank would refuse, and an option the sweep
+    cannot use, is a :class:`UsageError` naming the option."""
+    if args.transports is not None and "," in args.transports:
+        raise UsageError(
+            f"--gate --transports {args.transports}: one transport at a time (the sweep times "
+            "one transport's context-parallel path against the local path)"
+        )
+    for option, given in (("--rccl-tests", args.rccl_tests), ("--plot", args.plot)):
+        if given:
+            raise UsageError(f"{option}: not with --gate (its table and --out hold every figure)")
+    (transport,) = _transports(args, gpu, ["auto"])
+    world = 4 if args.world is None else args.world
+    _check_world(world, args.query_len)
+    specs = [
+        gate_sweep.Spec(
+            fmt=fmt,
+            world=world,
+            transport=transport,
+            requests=args.rows or ([1, 2, 4, 8, 16, 32] if gpu else [1, 8]),
+            contexts=args.context or ([4 * K, 16 * K, 64 * K, 128 * K] if gpu else [2 * K, 8 * K]),
+            query_len=t,
+            op=op,
+            iters=args.iters or (50 if gpu else 5),
+            graphs=args.graphs,
+        )
+        for fmt in _formats(args)
+        for t in args.query_len
+        for op in (gate_sweep.OPS if args.select else gate_sweep.OPS[:1])
+    ]
+    _check_sizes(lambda: [gate_sweep.config(s, world) for s in specs])
+    return specs
+
+
 def main(args: argparse.Namespace) -> dict:
+    gpu = torch.cuda.is_available()
+    specs = gate_specs(args, gpu) if args.gate else None
     if args.plot:
         require_matplotlib()
-    gpu = torch.cuda.is_available()
     fmts = args.formats.split(",")
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -125,6 +187,11 @@ def main(args: argparse.Namespace) -> dict:
         print(agree_cost.table(res))
         print(agree_cost.LEGEND)
         out = {"meta": meta, **res}
+    elif specs is not None:
+        results = gate_sweep.run_all(specs)
+        print("\n\n".join(gate_sweep.table(res) for res in results))
+        print(gate_sweep.legend(results))
+        out = {"meta": meta, "gate": results}
     elif args.kernel:
         res = kernel_sweep.run(
             fmts,

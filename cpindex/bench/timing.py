@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -11,6 +12,36 @@ import torch
 from .. import formats
 from ..comm import Comm
 from ..world import in_turn
+
+
+class Progress:
+    """Progress on stderr (the tables go to stdout once, at the end): a tqdm bar where tqdm is
+    installed (``cpindex[bench]``), else a line per step; nothing where not ``enabled`` (every
+    rank but 0)."""
+
+    def __init__(self, total: int, desc: str, enabled: bool = True) -> None:
+        self.total, self.desc, self.enabled, self.done = total, desc, enabled, 0
+        self.bar = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                return
+            self.bar = tqdm(total=total, desc=desc, unit="shape", leave=False, file=sys.stderr)
+
+    def step(self, what: str) -> None:
+        """One step done; ``what`` names it on the line printed where there is no bar."""
+        if not self.enabled:
+            return
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update(1)
+        else:
+            print(f"{self.desc}: {self.done}/{self.total} {what}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def summarize(ms: list[float]) -> dict[str, float]:
