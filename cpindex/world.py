@@ -210,7 +210,8 @@ def run_threads(
     errors: list[BaseException | None] = [None] * world_size
     dev = torch.device(device) if device is not None else None
     on_gpu = dev is not None and dev.type == "cuda"
-    if on_gpu and not torch.version.hip and os.environ.get("CUDA_MODULE_LOADING") != "EAGER":
+    lazy = os.environ.get("CUDA_MODULE_LOADING") != "EAGER"
+    if on_gpu and world_size > 1 and not torch.version.hip and lazy:  # one rank: nobody spins
         warnings.warn(
             "one-process world with lazy CUDA module loading: the first launch of any kernel "
             "while a peer's push spins can synchronize the context and deadlock. Set "

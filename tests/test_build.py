@@ -5,10 +5,12 @@ prints."""
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from pathlib import Path
 
 import cpindex.kernels
+from cpindex.kernels import build
 from cpindex.kernels.build import build_defines, sources_digest
 
 
@@ -39,3 +41,16 @@ def test_sources_digest_is_the_shell_one():
     }
     want = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:12]
     assert sources_digest() == want
+
+
+def test_the_wrapper_source_is_written_once(tmp_path):
+    """The .cu wrapper keeps its mtime when it already holds the text: a rewrite on every load
+    makes the builder recompile the kernel in every process."""
+    path = tmp_path / "score.cu"
+    build._write_once(path, "a\n")
+    os.utime(path, (1, 1))
+    build._write_once(path, "a\n")
+    assert path.stat().st_mtime == 1 and path.read_text() == "a\n"
+    build._write_once(path, "b\n")
+    assert path.read_text() == "b\n" and path.stat().st_mtime > 1
+    assert [p.name for p in tmp_path.iterdir()] == ["score.cu"]

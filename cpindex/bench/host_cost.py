@@ -107,8 +107,9 @@ def _rotation(rows: int, ctx: int, fmt: str, dev: torch.device):
 
 def _entries(cps: dict, fmt: str, rows: int, ctx: int, t: int, dev: torch.device):
     """``(name, transport, fn(i), capturable, bytes a call reads)`` per entry point."""
-    cache, tables, lens, nbytes = _rotation(rows, ctx, fmt, dev)
-    sets, blocks = tables.shape[0], tables.shape[2]
+    cache, table_stack, lens, nbytes = _rotation(rows, ctx, fmt, dev)
+    sets, blocks = table_stack.shape[0], table_stack.shape[2]
+    tables = table_stack.unbind(0)  # a list: picking one costs no tensor indexing per call
     q = synthetic_queries(rows * t, 4, fmt, dev)  # one rank: all 4 heads are its own
     out: list[tuple] = []
     for name, cp in cps.items():
@@ -151,6 +152,7 @@ def _entries(cps: dict, fmt: str, rows: int, ctx: int, t: int, dev: torch.device
             q, cache, tables[i % sets], lens, buf, blocks, t
         ), True, nbytes,
     ))  # fmt: skip
+    out += _floors(q, cache, tables, lens, buf, blocks, t, fmt, dev)
     try:
         from .triton_baseline import triton_block_scores
     except Exception:  # triton missing: no peer row
@@ -158,9 +160,10 @@ def _entries(cps: dict, fmt: str, rows: int, ctx: int, t: int, dev: torch.device
     if fmt == "bf16":
         bcache, btables, bq, bbytes = cache, tables, q, nbytes
     else:
-        bcache, btables, _, bbytes = _rotation(rows, ctx, "bf16", dev)
+        bcache, bstack, _, bbytes = _rotation(rows, ctx, "bf16", dev)
+        btables = bstack.unbind(0)
         bq = synthetic_queries(rows * t, 4, "bf16", dev)
-    bsets = btables.shape[0]
+    bsets = len(btables)
     tout = torch.empty(4, rows * t, blocks, device=dev)
 
     def peer(i):
@@ -171,6 +174,30 @@ def _entries(cps: dict, fmt: str, rows: int, ctx: int, t: int, dev: torch.device
 
     out.append(("Triton peer (bf16)", "", peer, True, bbytes))
     return out
+
+
+def _floors(q, cache, tables, lens, buf, blocks: int, t: int, fmt: str, dev: torch.device):
+    """What no entry point can go below on this host: the binding's ``score`` called with
+    every argument made beforehand (the pybind call and the launch), and one tiny torch op
+    (any GPU op launched from Python)."""
+    from ..kernels.launcher import ErrorMonitor, KernelScorer
+
+    sc = KernelScorer(dev, fmt, num_heads=4, rank=0, world=1, sm_scale=SM_SCALE,
+                      monitor=ErrorMonitor(dev, 0))  # fmt: skip
+    sets = len(tables)
+    preps = []
+    for s in range(sets):  # the launcher's own arguments for each table, as it passes them
+        sc.score_local(q, cache, tables[s], lens, buf, init_blocks=0, local_blocks=1,
+                       width=blocks, query_len=t)  # fmt: skip
+        img = sc._images[next(reversed(sc._images))]
+        shape = sc._shapes[next(reversed(sc._shapes))]
+        kv, ks, fid = sc.parts(cache)
+        preps.append((q, kv, ks, tables[s], lens, img, None, fid, shape.wgmma, shape.split,
+                      shape.grid, -1))  # fmt: skip
+    one = torch.zeros(1, device=dev)
+    binding = ("binding, arguments prepared", "", lambda i: sc.mod.score(*preps[i % sets]))
+    tiny = ("one tiny torch op (add_)", "", lambda i: one.add_(1))
+    return [(*binding, True, 0), (*tiny, True, 0)]
 
 
 def _job(comm, formats_, rows_list, contexts, query_lens, iters, calls, transports, fingerprint):
@@ -239,6 +266,8 @@ LEGEND = "\n".join(
         "          reads and writes, so a read-only call can pass 100 %)",
         "(plan)    the call with a plan made once before (IndexCP.plan), as a step's layers share",
         "launcher  KernelScorer.score_local, the kernel launch beneath the entry points",
+        "binding   the compiled score() with every argument made beforehand: pybind and launch",
+        "tiny op   one torch op on one element: what any GPU op launched from Python costs here",
         "Triton    the Triton peer on bf16 inputs of the same shape (it reads bf16 only)",
         "IndexCP runs in a one-rank world: no peer to wait for, the host time is the call's own",
     ]
@@ -267,10 +296,11 @@ def table(res: dict) -> str:
                 f"{'% copy':>6}",
             ]
         gbs = r["bytes"] / (r["gpu_us"] * 1e-6) / 1e9
-        pct = f"{100 * gbs / copy:>5.0f}%" if copy else f"{'':>6}"
+        pct = f"{100 * gbs / copy:>5.0f}%" if copy and gbs else f"{'':>6}"
+        read = f"{r['bytes'] / 2**20:>9.1f} {gbs:>6.0f}" if gbs else f"{'':>9} {'':>6}"
         lines.append(
             f"{r['entry']:>31} {r['transport']:>10} {r['host_us']:>8.1f} "
             f"{r['host_p90_us']:>7.1f} {r['gpu_us']:>8.1f} {r['gpu_how']:>6} "
-            f"{r['host_us'] / r['gpu_us']:>7.2f}x {r['bytes'] / 2**20:>9.1f} {gbs:>6.0f} {pct}"
+            f"{r['host_us'] / r['gpu_us']:>7.2f}x {read} {pct}"
         )
     return "\n".join(lines)

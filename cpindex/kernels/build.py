@@ -68,6 +68,22 @@ def build_defines(arch: str, *, portable: bool = False) -> list[str]:
     return ["CP_WGMMA=1"] if arch == "sm_90" and not portable else []
 
 
+def _write_once(path: Path, text: str) -> Path:
+    """``path`` holding ``text``, rewritten only when it holds something else: the builder
+    (ninja) rebuilds whatever is newer than its object, so a rewrite on every load would
+    recompile the kernel in every process. Written whole (a temporary file renamed), so a
+    process loading beside this one never reads half of it."""
+    try:
+        if path.read_text() == text:
+            return path
+    except OSError:
+        pass
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path
+
+
 def load(device: torch.device | None = None, *, portable: bool = False) -> ModuleType:
     """The compiled extension for ``device``'s architecture (built on first use).
 
@@ -95,8 +111,7 @@ def load(device: torch.device | None = None, *, portable: bool = False) -> Modul
         else:
             os.environ["TORCH_CUDA_ARCH_LIST"] = f"{arch[3:-1]}.{arch[-1]}" + ("a" if sm90a else "")
             # nvcc needs a .cu name; the wrapper includes the one HIP source.
-            kernel_src = build_dir / "score.cu"
-            kernel_src.write_text(f'#include "{_HERE / "score.hip"}"\n')
+            kernel_src = _write_once(build_dir / "score.cu", f'#include "{_HERE / "score.hip"}"\n')
         try:
             mod = cpp_extension.load(
                 name=name,
