@@ -6,10 +6,10 @@ as threads sharing one GPU, as the transport A/B runs there), on the same inputs
 with the hash and one without, timed as CUDA graph replays of 8 calls. Each call is timed in the
 positional form and with a plan made once before; ``ipc`` hashes the block-table entries and
 lengths a call reads inside its kernel on every call either way (``collective`` on a GPU takes
-the plan's hash instead). Rounds alternate the order of off and on, and each time is the median over
-rounds, so drift of the shared device between the two falls on both alike. ``refresh us``: a
-plan's torch-side hash recomputed (``Plan.refresh``, what ``collective`` compares), rank 0
-alone.
+the plan's hash instead). Rounds alternate the order of off and on, and each time is the median
+over rounds, so drift of the shared device between the two falls on both alike. ``refresh us``:
+a plan's torch-side hash recomputed (``Plan.refresh``), rank 0 alone, where the plan carries
+one (not with ``ipc``, whose plans carry none).
 """
 
 from __future__ import annotations
@@ -107,7 +107,9 @@ def _shape(comm: Comm, cps: dict, rows: int, ctx: int, t: int, fmt: str, iters: 
                     _settle(comm)
     refresh_ms = None
     plan = plans[True]
-    if plan is not None and comm.rank == 0:  # alone: the others wait, settled, at the barrier
+    # Only a plan that carries a hash has one to refresh (ipc's kernel hashes every call).
+    if plan is not None and plan.fingerprint is not None and comm.rank == 0:
+        # alone: the others wait, settled, at the barrier
         refresh_ms = statistics.median(time_graph(lambda i: plan.refresh(), 8, iters, 2))
     _settle(comm)
     # a plan holds a fingerprint only where the instance compares one (Plan.fingerprint)
@@ -192,9 +194,10 @@ LEGEND = "\n".join(
         "off us / on us  rank 0's median time per call, fingerprint off / on (graph replays of",
         "                8 calls; median over rounds that alternate the order)",
         "diff            on minus off, in us and in % of the call without the hash",
-        "form            positional: the call hashes what it reads; plan: the hash is made with",
-        "                the plan (IndexCP.plan), the call compares it",
-        "refresh us      Plan.refresh (the plan's hash recomputed), rank 0 alone: once per step",
+        "form            positional, or with a plan made once before (IndexCP.plan); ipc's",
+        "                kernel hashes what each call reads in both",
+        "refresh us      Plan.refresh, rank 0 alone, once per step: only where the plan carries",
+        "                the hash (collective); blank for ipc",
         "MiB read        index-cache bytes all ranks read per call together (the one GPU's)",
         "GB/s, % copy    MiB read over off us, and that over the copy bandwidth (read + write)",
         "agree           the outputs with and without the hash are equal, bit for bit",
