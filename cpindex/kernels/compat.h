@@ -61,10 +61,16 @@ typedef uint32_t cp_lanemask_t;
 typedef hipStream_t cp_stream_t;
 #define cp_get_last_error hipGetLastError
 #define cp_occupancy hipOccupancyMaxActiveBlocksPerMultiprocessor
+#define cp_get_device hipGetDevice
+#define cp_func_max_dyn_smem(fn, bytes) \
+  hipFuncSetAttribute((const void*)(fn), hipFuncAttributeMaxDynamicSharedMemorySize, (bytes))
 #else
 typedef cudaStream_t cp_stream_t;
 #define cp_get_last_error cudaGetLastError
 #define cp_occupancy cudaOccupancyMaxActiveBlocksPerMultiprocessor
+#define cp_get_device cudaGetDevice
+#define cp_func_max_dyn_smem(fn, bytes) \
+  cudaFuncSetAttribute((fn), cudaFuncAttributeMaxDynamicSharedMemorySize, (bytes))
 #endif
 
 // ---- shuffles ----------------------------------------------------------------------------------

@@ -27,12 +27,13 @@ constexpr float kForcedLocal = 1e29f;
 constexpr float kForcedInit = 1e30f;
 constexpr int kMaxSelect = 16;                   // select_blocks' topk the kernel fuses (larger: torch)
 
-// Bytes per warp of the bf16/fp8 cp.async ring (tensor-core builds). A ring of S tiles keeps
-// S - 1 tiles' copies in flight while one is scored; 8 KiB holds 2 bf16 or 4 fp8 tiles of 16
-// tokens, fits a split warp's part of a page whole (two bf16 tiles), and at 32 KiB a CTA leaves
-// shared memory for the CTAs per SM the register targets allow. nvfp4 stays on registers: its
-// loads already read 512 contiguous bytes of a page-major page.
-constexpr int kRingBytes = 8192;
+// Bytes per warp of the cp.async ring the bf16/fp8 whole-page streams take (tensor-core builds),
+// in dynamic shared memory. A ring of S tiles keeps S - 1 tiles' copies in flight while one is
+// scored. fp8: 8 KiB, 4 tiles of 2 KiB. bf16: 16 KiB, 4 tiles of 4 KiB; with 8 KiB (2 tiles, the
+// most static shared memory allowed) a bf16 warp had one tile in flight, half of fp8's bytes, and
+// read below a plain streaming read. Split pages need only a warp's part of a page (page.h).
+template <bool kBf16, int NT, bool W>
+constexpr int kRingBytes = kBf16 ? 16384 : 8192;
 
 // nvfp4 tiles loaded before their math with one query tile (a whole page on 32-wide warps;
 // divided by the query tiles with more, whose fragments take the registers): enough loads in

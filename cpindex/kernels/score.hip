@@ -21,6 +21,8 @@
 // keys.h (formats), dot.h (tile dot products), waits.h (error word, bounded waits), page.h
 // (one page), select.h (select_blocks' selection), write.h (the key writer, its own kernel); this
 // file holds the scoring kernel and its launcher.
+#include <atomic>
+
 #include "config.h"
 #include "keys.h"
 #include "dot.h"
@@ -63,6 +65,15 @@ CP_DEVICE void write_score(const ScoreParams& p, const VecOut& o, int j, int k, 
   for (int cp = 0; cp < p.dst_copies; ++cp)
     p.dst[o.h * p.dst_copies + cp][(int64_t)o.row * p.out_row_stride + col] = out;
 }
+
+// Dynamic shared memory of an instance: its warps' cp.async rings (none without them).
+template <int F, int NT, bool W, int S>
+constexpr int kDynSmem =
+#if CP_USE_MMA
+    Fmt<F>::kRing ? kWarpsPerCta * kWarpRingBytes<F, NT, W, S> : 0;
+#else
+    0;
+#endif
 
 // CTAs per SM the register allocation must leave room for (CUDA): ptxas otherwise spends
 // registers where they buy nothing, and a step down in occupancy costs more than a little
@@ -109,9 +120,8 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   float* q_smem = q_all[warp];
 #endif
 #if CP_USE_MMA
-  constexpr int kRing = kStages<F> > 0 ? kStages<F> * kTileBytes<F> : 16;
-  __shared__ __align__(128) uint8_t ring_all[kWarpsPerCta][kRing];
-  uint8_t* ring = ring_all[warp];
+  extern __shared__ __align__(128) uint8_t ring_all[];  // the warps' rings (kDynSmem bytes)
+  uint8_t* ring = ring_all + warp * kWarpRingBytes<F, NT, W, S>;
 #endif
   __shared__ uint4 lut[kFp4<F> ? 256 : 1];
   __shared__ uint2 lut8[kFp4<F> && kNvfp4Cvt<NT, W> > 0 ? 256 : 1];
@@ -145,7 +155,11 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   // An earlier call failed and the host raises at its next check. A pushed call stops here so
   // that replays do not wait on peers; a local call has nothing to wait for, and the check's
   // round trip would come before its first key byte.
-  if (push && failed(p)) return;
+  if (push && failed(p)) {  // still counted, so that the call's last CTA zeroes its counters
+    if (threadIdx.x == 0 && atomicAdd(ps.ticket, 1u) == gridDim.x - 1)
+      *ps.ticket = 0u, *ps.barrier = 0u, *ps.work = 0u;
+    return;
+  }
 #pragma unroll
   for (int r = 0; r < kLutLoads; ++r) {
     const int i = threadIdx.x + r * kThreads;
@@ -242,7 +256,19 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
     int cur_req = -1, cur_v0 = -1;
     const int64_t first = W || split ? (int64_t)blockIdx.x * per_cta
                                      : (int64_t)blockIdx.x * kWarpsPerCta + warp;
-    for (int64_t gi0 = first; gi0 < groups; gi0 += units) {
+    // Push calls' whole-page warps take groups as they ask (a counter in the rank's region that
+    // the call's last CTA zeroes): warps stream at different rates, and a fixed share each left
+    // SMs idle while the slowest finished. A warp asks for its next group as it starts one, so
+    // the round trip hides behind the pages. Local grids get the same from the hardware, a CTA
+    // per four items; the CTA-wide units keep the fixed deal.
+    const bool dealt = push && !W && !split;
+    auto deal = [&]() {
+      uint32_t v = 0;
+      if (lane == 0) v = atomicAdd(ps.work, 1u);
+      return (int64_t)(uint32_t)cp_shfl_int((int)v, 0);
+    };
+    for (int64_t gi0 = dealt ? deal() : first, next; gi0 < groups; gi0 = next) {
+      next = dealt ? deal() : gi0 + units;
       // A split CTA's units take groups gi0, gi0 + 1, ...; one past the last group has no items
       // and only meets the CTA's barriers.
       const int64_t gi = per_cta > 1 && split ? gi0 + warp / ks : gi0;
@@ -333,7 +359,7 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
             keep(cp_shfl_int(mine, r), val);
           };
 #if CP_USE_MMA
-          if constexpr (kStages<F> > 0 && !split) {
+          if constexpr (Fmt<F>::kRing && !split) {
             score_pages_smem<F, NT, W>(p, streamed, page_of, cuts, q, g, c, ring, done);
           } else
 #endif
@@ -347,7 +373,7 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
                 for (int h = 0; h < parts; ++h) {
                   const int t0 = (first_part + h) * kSplitTiles;
 #if CP_USE_MMA
-                  if constexpr (kStages<F> > 0)
+                  if constexpr (Fmt<F>::kRing)
                     score_part_smem<F, NT, W, kSplitTiles>(p, pr, cuts, q, g, c, ring, t0, val);
                   else
 #endif
@@ -439,6 +465,7 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   if (is_last && threadIdx.x == 0) {
     *ps.ticket = 0u;
     *ps.barrier = 0u;
+    *ps.work = 0u;
     *ps.calls = call;
   }
 }
@@ -458,23 +485,45 @@ int query_tiles(int vectors) {
 // The whole-page (or warpgroup) instance, or with split (warps per page, 4 or 2) the split-page
 // one. Each split is its own instance: a runtime split count would cost the four-warp instance
 // registers and code in its page loop.
+// Allows instance (F, NT, W, S) its dynamic shared memory beyond the default 48 KiB, once per
+// device of this process (the limit is a per-device attribute of the function).
+template <int F, int NT, bool W, int S>
+int allow_smem() {
+  constexpr int bytes = kDynSmem<F, NT, W, S>;
+  if constexpr (bytes <= 48 * 1024) {
+    return 0;
+  } else {
+    static std::atomic<uint64_t> done{0};
+    int dev = 0;
+    int rc = (int)cp_get_device(&dev);
+    if (rc != 0) return rc;
+    const uint64_t bit = dev < 64 ? 1ull << dev : 0ull;
+    if (bit && (done.load(std::memory_order_relaxed) & bit)) return 0;
+    const auto kernel = score_kernel<F, NT, W, S>;
+    rc = (int)cp_func_max_dyn_smem(kernel, bytes);
+    if (rc == 0) done.fetch_or(bit, std::memory_order_relaxed);
+    return rc;
+  }
+}
+
+template <int F, int NT, bool W, int S>
+int launch_instance(const ScoreParams& p, const PushState* push, int grid, cp_stream_t stream) {
+  const int rc = allow_smem<F, NT, W, S>();
+  if (rc != 0) return rc;
+  const PushState none = {};
+  score_kernel<F, NT, W, S><<<grid, kThreads, kDynSmem<F, NT, W, S>, stream>>>(p, push ? *push : none);
+  return (int)cp_get_last_error();
+}
+
 template <int F, int NT, bool W>
 int launch_nt(const ScoreParams& p, const PushState* push, int split, int grid, void* stream) {
   static_assert(kSplitFewestWarps == 2, "split instances: four warps a page and two");
-  const PushState none = {};
   const auto stream_ = (cp_stream_t)stream;
   if constexpr (!W) {
-    if (split == kWarpsPerCta) {
-      score_kernel<F, NT, false, kWarpsPerCta><<<grid, kThreads, 0, stream_>>>(p, push ? *push : none);
-      return (int)cp_get_last_error();
-    }
-    if (split == 2) {
-      score_kernel<F, NT, false, 2><<<grid, kThreads, 0, stream_>>>(p, push ? *push : none);
-      return (int)cp_get_last_error();
-    }
+    if (split == kWarpsPerCta) return launch_instance<F, NT, false, kWarpsPerCta>(p, push, grid, stream_);
+    if (split == 2) return launch_instance<F, NT, false, 2>(p, push, grid, stream_);
   }
-  score_kernel<F, NT, W, 0><<<grid, kThreads, 0, stream_>>>(p, push ? *push : none);
-  return (int)cp_get_last_error();
+  return launch_instance<F, NT, W, 0>(p, push, grid, stream_);
 }
 
 template <int F>
@@ -497,14 +546,20 @@ int launch_format(const ScoreParams& p, const PushState* push, bool wgmma, int s
 
 // CTAs per SM of the instance launch_nt runs for the same arguments (a push grid must be
 // resident at once, so each instance's grid is sized on its own occupancy).
+template <int F, int NT, bool W, int S>
+int occupancy_instance(int* ctas) {
+  const int rc = allow_smem<F, NT, W, S>();
+  if (rc != 0) return rc;
+  return (int)cp_occupancy(ctas, score_kernel<F, NT, W, S>, kThreads, kDynSmem<F, NT, W, S>);
+}
+
 template <int F, int NT, bool W>
 int occupancy_nt(int split, int* ctas) {
   if constexpr (!W) {
-    if (split == kWarpsPerCta)
-      return (int)cp_occupancy(ctas, score_kernel<F, NT, false, kWarpsPerCta>, kThreads, 0);
-    if (split == 2) return (int)cp_occupancy(ctas, score_kernel<F, NT, false, 2>, kThreads, 0);
+    if (split == kWarpsPerCta) return occupancy_instance<F, NT, false, kWarpsPerCta>(ctas);
+    if (split == 2) return occupancy_instance<F, NT, false, 2>(ctas);
   }
-  return (int)cp_occupancy(ctas, score_kernel<F, NT, W, 0>, kThreads, 0);
+  return occupancy_instance<F, NT, W, 0>(ctas);
 }
 
 template <int F>
