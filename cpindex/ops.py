@@ -34,6 +34,8 @@ from .validation import Checker
 _instances: weakref.WeakValueDictionary[int, IndexCP] = weakref.WeakValueDictionary()
 _plans: weakref.WeakValueDictionary[int, Plan] = weakref.WeakValueDictionary()
 _scorers: dict[tuple, object] = {}
+#: What formats.detect_format answers for a single tensor of these dtypes.
+_FORMATS = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8"}
 
 
 def _split(index_cache: formats.Cache) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -125,10 +127,14 @@ def _block_scores(
     if len(shape) != 3:
         raise ValueError(f"q: expected [rows, heads, 128], got {list(shape)}")
     rows, heads = shape[0], shape[1]
-    fmt = formats.detect_format(index_cache)
+    fmt = "nvfp4" if scales is not None else _FORMATS.get(cache.dtype)
+    if fmt is None:  # a page-major nvfp4 cache, or none it can tell (it raises)
+        fmt = formats.detect_format(index_cache)
     device = q.device
     checker = _op_checker(heads, fmt, max(1, rows), max(1, width), device)
-    checker.call(q, index_cache, block_table, seq_lens, init_blocks, local_blocks, width, query_len)
+    call = checker.call(
+        q, index_cache, block_table, seq_lens, init_blocks, local_blocks, width, query_len
+    )
     if device.type != "cuda":
         return reference.block_scores(
             q, index_cache, block_table, seq_lens, init_blocks=init_blocks,
@@ -140,6 +146,7 @@ def _block_scores(
     scorer.score_local(
         q, index_cache, block_table, seq_lens, out,
         init_blocks=init_blocks, local_blocks=local_blocks, width=width, query_len=query_len,
+        cache_key=call.cache_key,
     )  # fmt: skip
     return out
 

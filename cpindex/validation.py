@@ -335,7 +335,23 @@ class Checker:
         rows: int | None = None,
     ) -> Plan:
         """:func:`check_plan`, memoized."""
-        query_len = self.query_len(query_len)
+        return self._plan(
+            block_table, seq_lens, init_blocks, local_blocks, width, self.query_len(query_len),
+            fingerprint_out, rows,
+        )  # fmt: skip
+
+    def _plan(
+        self,
+        block_table: object,
+        seq_lens: object,
+        init_blocks: object,
+        local_blocks: object,
+        width: object,
+        query_len: int,
+        fingerprint_out: torch.Tensor | None,
+        rows: int | None,
+    ) -> Plan:
+        """:meth:`plan` with ``query_len`` checked."""
         key = None
         # Exact ints only in a key: True == 1 and hashes alike, but is refused.
         if (
@@ -364,7 +380,7 @@ class Checker:
         )  # fmt: skip
         if self.on_cpu:
             _check_contents(plan, None)
-        return plan.refresh()
+        return plan if fingerprint_out is None else plan.refresh()
 
     def planned(self, iq: object, index_cache: object, plan: object, tag: object = None) -> Call:
         """:func:`check_planned`, memoized."""
@@ -418,9 +434,9 @@ class Checker:
                 f"iq: rows must be requests * query_len (query_len={query_len}), got {rows} rows"
             )
         index_cache, key = self.cache(index_cache)
-        plan = self.plan(
-            block_table, seq_lens, init_blocks, local_blocks, width, query_len,
-            fingerprint_out=fingerprint_out, rows=rows,
+        plan = self._plan(
+            block_table, seq_lens, init_blocks, local_blocks, width, query_len, fingerprint_out,
+            rows,
         )  # fmt: skip
         if self.on_cpu:
             _check_pages(plan, index_cache)

@@ -388,11 +388,12 @@ class KernelScorer:
         shard: bool = False,
         q_src_stride: int | None = None,
         q_heads_per_src: int | None = None,
+        cache_key: tuple | None = None,
     ) -> None:
         """Local mode: this rank's columns for all heads into ``out``, ``[H, rows, width]`` (or
         ``[H, rows, ceil(width / world)]`` with ``shard=True``), ``rows = requests *
         query_len``. ``q`` is ``[.., rows, hps, 128]``; by default one source holding all heads
-        (``[rows, H, 128]``)."""
+        (``[rows, H, 128]``). ``cache_key``: see :meth:`parts`."""
         requests = block_table.shape[0]
         rows = requests * query_len
         hps = q_heads_per_src or self.num_heads
@@ -418,4 +419,7 @@ class KernelScorer:
                 out_row_stride=cols,
             )
             self._images.put(key, img)
-        self.launch(q, index_cache, block_table, seq_lens, img, width=width, query_len=query_len)
+        self.launch(
+            q, index_cache, block_table, seq_lens, img, width=width, query_len=query_len,
+            cache_key=cache_key,
+        )  # fmt: skip
