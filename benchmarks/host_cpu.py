@@ -200,7 +200,12 @@ def entries(comm) -> dict[str, Callable[[], object]]:
             ),
         }
     op = torch.ops.cpindex.block_scores
-    out["ops.block_scores"] = lambda: op(q, cache, None, bt, sl, 0, 1, width, 128**-0.5, QUERY_LEN)
+    out["torch.ops.cpindex.block_scores"] = lambda: op(
+        q, cache, None, bt, sl, 0, 1, width, 128**-0.5, QUERY_LEN
+    )
+    out["ops.block_scores"] = lambda: ops.block_scores(
+        q, cache, bt, sl, width=width, query_len=QUERY_LEN
+    )
     scorer = fake_scorer(4)
     buf = torch.empty(4, REQUESTS * QUERY_LEN, width)
     out["launcher.score_local"] = lambda: scorer.score_local(

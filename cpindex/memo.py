@@ -11,6 +11,10 @@ path without ever answering for a tensor they have not seen:
   that object is collected and recomputed whenever its metadata (:func:`view_key`) differs from
   what it was when they were made (``set_``, ``resize_`` and friends change a tensor in place).
 
+A call reads a tensor's metadata once: a check keyed by :func:`view_key` (the cache's, whose
+address is the same call after call) hands that key on to the launch, whose views of the same
+tensor look it up without reading the metadata again (:meth:`PerTensor.get`'s ``key``).
+
 Both are bounded: once full they start over, so a caller whose shapes never repeat pays a
 dictionary insert per call, never unbounded memory.
 """
@@ -37,10 +41,11 @@ def check_key(t: Any) -> tuple:
     return (type(t), t.dtype, t.shape, t.stride(), t.device, t.data_ptr() & 15)
 
 
-def view_key(t: torch.Tensor) -> tuple:
-    """Everything a view of ``t``'s storage depends on: its address, dtype, shape, strides and
-    device (the address stands for storage and offset: a live storage owns its addresses)."""
-    return (t.data_ptr(), t.dtype, t.shape, t.stride(), t.device)
+def view_key(t: Any) -> tuple:
+    """:func:`check_key` with the whole address: everything a check of ``t`` reads and
+    everything a view of its storage depends on (the address stands for storage and offset: a
+    live storage owns its addresses). Raises as :func:`check_key` does."""
+    return (type(t), t.dtype, t.shape, t.stride(), t.device, t.data_ptr())
 
 
 class Memo(dict[Hashable, V]):
@@ -77,18 +82,23 @@ class PerTensor(Generic[V]):
         self._data: dict[int, tuple[weakref.ref, tuple, V]] = {}
         self.capacity = capacity
 
-    def get(self, t: torch.Tensor) -> V | None:
+    def get(self, t: torch.Tensor, key: tuple | None = None) -> V | None:
+        """The value stored for ``t``, or None. ``key``: ``view_key(t)`` as the caller just
+        read it (saves reading it again)."""
         entry = self._data.get(id(t))
-        if entry is None or entry[0]() is not t or entry[1] != view_key(t):
+        if entry is None or entry[0]() is not t:
+            return None
+        if entry[1] != (view_key(t) if key is None else key):
             return None
         return entry[2]
 
-    def put(self, t: torch.Tensor, value: V) -> V:
+    def put(self, t: torch.Tensor, value: V, key: tuple | None = None) -> V:
         data = self._data
         if len(data) >= self.capacity:
             data.clear()
-        key = id(t)
-        data[key] = (weakref.ref(t, _dropper(data, key)), view_key(t), value)
+        slot = id(t)
+        meta = view_key(t) if key is None else key
+        data[slot] = (weakref.ref(t, _dropper(data, slot)), meta, value)
         return value
 
     def __len__(self) -> int:

@@ -34,6 +34,8 @@ from .validation import Checker
 _instances: weakref.WeakValueDictionary[int, IndexCP] = weakref.WeakValueDictionary()
 _plans: weakref.WeakValueDictionary[int, Plan] = weakref.WeakValueDictionary()
 _scorers: dict[tuple, object] = {}
+#: What formats.detect_format answers for a single tensor of these dtypes.
+_FORMATS = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8"}
 
 
 def _split(index_cache: formats.Cache) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -125,10 +127,14 @@ def _block_scores(
     if len(shape) != 3:
         raise ValueError(f"q: expected [rows, heads, 128], got {list(shape)}")
     rows, heads = shape[0], shape[1]
-    fmt = formats.detect_format(index_cache)
+    fmt = "nvfp4" if scales is not None else _FORMATS.get(cache.dtype)
+    if fmt is None:  # a page-major nvfp4 cache, or none it can tell (it raises)
+        fmt = formats.detect_format(index_cache)
     device = q.device
     checker = _op_checker(heads, fmt, max(1, rows), max(1, width), device)
-    checker.call(q, index_cache, block_table, seq_lens, init_blocks, local_blocks, width, query_len)
+    call = checker.call(
+        q, index_cache, block_table, seq_lens, init_blocks, local_blocks, width, query_len
+    )
     if device.type != "cuda":
         return reference.block_scores(
             q, index_cache, block_table, seq_lens, init_blocks=init_blocks,
@@ -140,6 +146,7 @@ def _block_scores(
     scorer.score_local(
         q, index_cache, block_table, seq_lens, out,
         init_blocks=init_blocks, local_blocks=local_blocks, width=width, query_len=query_len,
+        cache_key=call.cache_key,
     )  # fmt: skip
     return out
 
@@ -160,13 +167,64 @@ def block_scores(
     reference on CPU. ``q`` is ``[requests * query_len, H, 128]`` (H <= 8), ``block_table`` and
     ``seq_lens`` one row per request. Inputs are validated like ``score_push``'s. Inside
     ``torch.compile`` call ``torch.ops.cpindex.block_scores`` with the same arguments (cache
-    and nvfp4 scales as two tensors, scales ``None`` otherwise)."""
+    and nvfp4 scales as two tensors, scales ``None`` otherwise).
+
+    An eager call that the dispatcher would hand straight to the op's kernel calls that kernel
+    itself (:func:`_direct`): the same checks and result, without the dispatcher's cost."""
     cache, scales = _split(index_cache)
     width = block_table.shape[1] if width is None else width
+    sm_scale = float(sm_scale)
+    if (
+        type(init_blocks) is int
+        and type(local_blocks) is int
+        and type(width) is int
+        and type(query_len) is int
+        and _direct(q, cache, scales, block_table, seq_lens)
+    ):
+        return _block_scores(
+            q, cache, scales, block_table, seq_lens, init_blocks, local_blocks, width, sm_scale,
+            query_len,
+        )  # fmt: skip
     return torch.ops.cpindex.block_scores(
-        q, cache, scales, block_table, seq_lens, init_blocks, local_blocks, width,
-        float(sm_scale), query_len,
+        q, cache, scales, block_table, seq_lens, init_blocks, local_blocks, width, sm_scale,
+        query_len,
     )  # fmt: skip
+
+
+_Tensor = torch.Tensor
+_no_interpreter = torch._C._functorch.peek_interpreter_stack
+
+
+def _direct(
+    q: object, cache: object, scales: object, block_table: object, seq_lens: object
+) -> bool:
+    """Whether the dispatcher would run ``cpindex::block_scores`` eagerly as a plain call of
+    :func:`_block_scores` (the kernel registered for CPU and CUDA), so that the eager wrapper may
+    call it itself: every tensor a plain ``torch.Tensor`` (no subclass such as a fake tensor) on
+    the CPU or a GPU (meta tensors take the fake kernel), none needing a gradient (the autograd
+    fallback would record one), and nothing the dispatcher hands an op to first: no
+    ``torch.compile`` tracing, torch dispatch mode (``FakeTensorMode``), torch function mode,
+    functorch transform or ``torch.jit`` tracer. Otherwise the call goes through the op."""
+    return (
+        type(q) is _Tensor
+        and type(cache) is _Tensor
+        and type(block_table) is _Tensor
+        and type(seq_lens) is _Tensor
+        and (scales is None or type(scales) is _Tensor)
+        and (q.is_cuda or q.is_cpu)
+        and (cache.is_cuda or cache.is_cpu)
+        and (block_table.is_cuda or block_table.is_cpu)
+        and (seq_lens.is_cuda or seq_lens.is_cpu)
+        and (scales is None or scales.is_cuda or scales.is_cpu)
+        and not q.requires_grad
+        and not cache.requires_grad
+        and (scales is None or not scales.requires_grad)
+        and not torch.compiler.is_compiling()
+        and torch._C._len_torch_dispatch_stack() == 0
+        and torch._C._len_torch_function_stack() == 0
+        and _no_interpreter() is None
+        and torch._C._get_tracing_state() is None
+    )
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -30,7 +30,7 @@ import torch
 
 from . import fingerprint, formats
 from .config import CPIndexConfig
-from .memo import Memo, check_key
+from .memo import Memo, check_key, view_key
 from .plan import Plan
 
 T = TypeVar("T")
@@ -47,6 +47,9 @@ class Call(NamedTuple):
     index_cache: formats.Cache
     plan: Plan
     tag: int | None = None
+    #: :func:`~cpindex.memo.view_key` of the cache (a pair: of each part) as validation read
+    #: it, for the launcher's per-tensor views; None: read it again.
+    cache_key: tuple | None = None
 
 
 def _guarded(name: str, check: Callable[..., T], *args: Any) -> T:
@@ -301,20 +304,23 @@ class Checker:
         shape = key[2]
         return (iq.unsqueeze(1) if len(shape) == 2 else iq), shape[0]  # type: ignore[union-attr]
 
-    def cache(self, index_cache: object) -> formats.Cache:
+    def cache(self, index_cache: object) -> tuple[formats.Cache, tuple | None]:
+        """The cache, and its :func:`~cpindex.memo.view_key` (a pair: of each part; None
+        where it has none). Keyed by the whole address, not its alignment alone: a layer's
+        cache stays where it is, and the launch reuses the key (``Call.cache_key``)."""
         try:
             if isinstance(index_cache, tuple):
                 packed, scales = index_cache  # not a pair: no key, the full check says so
-                key: tuple | None = (check_key(packed), check_key(scales))
+                key: tuple | None = (view_key(packed), view_key(scales))
             else:
-                key = check_key(index_cache)
+                key = view_key(index_cache)
         except Exception:
             key = None
         if key is None or key not in self._caches:
             _guarded("index_cache", _cache, self.cfg, self.device, index_cache)
             if key is not None:
                 self._caches.put(key, True)
-        return index_cache  # type: ignore[return-value]
+        return index_cache, key  # type: ignore[return-value]
 
     def plan(
         self,
@@ -329,7 +335,23 @@ class Checker:
         rows: int | None = None,
     ) -> Plan:
         """:func:`check_plan`, memoized."""
-        query_len = self.query_len(query_len)
+        return self._plan(
+            block_table, seq_lens, init_blocks, local_blocks, width, self.query_len(query_len),
+            fingerprint_out, rows,
+        )  # fmt: skip
+
+    def _plan(
+        self,
+        block_table: object,
+        seq_lens: object,
+        init_blocks: object,
+        local_blocks: object,
+        width: object,
+        query_len: int,
+        fingerprint_out: torch.Tensor | None,
+        rows: int | None,
+    ) -> Plan:
+        """:meth:`plan` with ``query_len`` checked."""
         key = None
         # Exact ints only in a key: True == 1 and hashes alike, but is refused.
         if (
@@ -358,7 +380,7 @@ class Checker:
         )  # fmt: skip
         if self.on_cpu:
             _check_contents(plan, None)
-        return plan.refresh()
+        return plan if fingerprint_out is None else plan.refresh()
 
     def planned(self, iq: object, index_cache: object, plan: object, tag: object = None) -> Call:
         """:func:`check_planned`, memoized."""
@@ -383,11 +405,11 @@ class Checker:
                 f"iq: expected {plan.rows} rows (the plan's {plan.requests} requests x "
                 f"query_len {plan.query_len}), got {rows}"
             )
-        index_cache = self.cache(index_cache)
+        index_cache, key = self.cache(index_cache)
         if self.on_cpu:
             _check_contents(plan, index_cache)
             plan.refresh()
-        return Call(iq, index_cache, plan, tag)  # type: ignore[arg-type]
+        return Call(iq, index_cache, plan, tag, key)  # type: ignore[arg-type]
 
     def call(
         self,
@@ -411,14 +433,14 @@ class Checker:
             raise ValueError(
                 f"iq: rows must be requests * query_len (query_len={query_len}), got {rows} rows"
             )
-        index_cache = self.cache(index_cache)
-        plan = self.plan(
-            block_table, seq_lens, init_blocks, local_blocks, width, query_len,
-            fingerprint_out=fingerprint_out, rows=rows,
+        index_cache, key = self.cache(index_cache)
+        plan = self._plan(
+            block_table, seq_lens, init_blocks, local_blocks, width, query_len, fingerprint_out,
+            rows,
         )  # fmt: skip
         if self.on_cpu:
             _check_pages(plan, index_cache)
-        return Call(iq, index_cache, plan, tag)  # type: ignore[arg-type]
+        return Call(iq, index_cache, plan, tag, key)  # type: ignore[arg-type]
 
 
 def check_plan(

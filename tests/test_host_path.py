@@ -99,9 +99,34 @@ def test_per_tensor_values_follow_the_object_and_its_metadata():
     t.as_strided_((2, 16), (32, 1))  # strides changed in place
     assert pt.get(t) is None
     pt.put(t, "y")
+    assert pt.get(t, memo.view_key(t)) == "y"  # the key a caller just read: the same entry
+    assert pt.get(t, memo.view_key(t[:1])) is None  # a key of other metadata: a miss
     del t
     gc.collect()
     assert len(pt) == 0  # dropped with its tensor: nothing kept alive
+
+
+def test_a_cache_changed_in_place_is_checked_again():
+    """The cache's verdict and the launch's views are keyed by its whole metadata, address
+    included, read once per call (``Call.cache_key``): a cache changed in place is another
+    key, checked again and handed on as what it now is."""
+    from cpindex.validation import Checker
+
+    cfg = CPIndexConfig(cache_format="nvfp4", **CFG).with_world_size(1)
+    checker = Checker(cfg, H, torch.device("cpu"))
+    cache = torch.zeros(4, 9216, dtype=torch.uint8)
+    _, key = checker.cache(cache)
+    assert key == memo.view_key(cache)
+    cache.resize_(2, 9216)  # fewer pages, same object
+    _, shrunk = checker.cache(cache)
+    assert shrunk != key and shrunk == memo.view_key(cache)
+    other = torch.zeros(4, 9216, dtype=torch.uint8)  # same metadata, another address
+    assert checker.cache(other)[1] != key
+    cache.set_(torch.zeros(4 * 9216 + 8, dtype=torch.uint8).untyped_storage(), 8, (4, 9216))
+    with pytest.raises(ValueError, match="index_cache: data must"):  # misaligned in place
+        checker.cache(cache)
+    pair = formats.to_nvfp4_pair(other)
+    assert checker.cache(pair)[1] == (memo.view_key(pair[0]), memo.view_key(pair[1]))
 
 
 # ---- IndexCP: results follow every call's own inputs ------------------------------------------

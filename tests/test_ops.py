@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from cpindex import CPIndexConfig, IndexCP, ops, reference, testing
 from cpindex.world import run_threads
@@ -75,3 +78,84 @@ def test_ops_take_a_plan_and_a_tag():
         heads = slice(2 * rank, 2 * rank + 2)
         assert torch.equal(compiled, full[heads]) and torch.equal(eager, full[heads])
         assert torch.equal(ids, top[heads])
+
+
+# ---- ops.block_scores' eager path: the op's kernel called directly only where the dispatcher
+# would call nothing else -------------------------------------------------------------------
+def _counting_kernel(monkeypatch) -> list[int]:
+    """Counts the wrapper's direct calls of the kernel (the op holds the original function)."""
+    calls: list[int] = []
+    kernel = ops._block_scores
+
+    def counted(*args):
+        calls.append(1)
+        return kernel(*args)
+
+    monkeypatch.setattr(ops, "_block_scores", counted)
+    return calls
+
+
+def test_eager_block_scores_is_the_op(monkeypatch):
+    calls = _counting_kernel(monkeypatch)
+    for fmt in ("bf16", "fp8", "nvfp4", "nvfp4-pair"):
+        base, form = testing.split_format(fmt)
+        p = testing.make_problem(3, 900, base, query_len=2, seed=3)
+        cache = testing.nvfp4_form(p.index_cache, form) if base == "nvfp4" else p.index_cache
+        cache_t, scales = cache if isinstance(cache, tuple) else (cache, None)
+        kw = dict(init_blocks=1, local_blocks=1, width=8, sm_scale=0.1, query_len=2)
+        direct = ops.block_scores(p.q, cache, p.block_table, p.seq_lens, **kw)
+        op = torch.ops.cpindex.block_scores(
+            p.q, cache_t, scales, p.block_table, p.seq_lens, 1, 1, 8, 0.1, 2
+        )
+        assert torch.equal(direct, op)
+    assert len(calls) == 4  # every call above went around the dispatcher
+    bad = testing.make_problem(3, 900, "nvfp4", seed=4)
+    bad.block_table[0, 0] = 10**6
+    for call in (
+        lambda: ops.block_scores(bad.q, bad.index_cache, bad.block_table, bad.seq_lens),
+        lambda: torch.ops.cpindex.block_scores(
+            bad.q, bad.index_cache, None, bad.block_table, bad.seq_lens, 0, 1, 8, 0.1, 1
+        ),
+    ):
+        with pytest.raises(ValueError, match="block_table: row 0"):
+            call()
+
+
+def test_block_scores_takes_the_op_under_compile_modes_and_grad(monkeypatch):
+    p = testing.make_problem(3, 900, "bf16", seed=5)
+    want = ops.block_scores(p.q, p.index_cache, p.block_table, p.seq_lens)
+    calls = _counting_kernel(monkeypatch)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    @torch.compile(fullgraph=True, backend=backend)
+    def f(q, cache, bt, sl):
+        return ops.block_scores(q, cache, bt, sl) + 0
+
+    assert torch.equal(f(p.q, p.index_cache, p.block_table, p.seq_lens), want)
+    targets = {n.target for g in graphs for n in g.graph.nodes}
+    op = torch.ops.cpindex.block_scores
+    assert {op, op.default} & targets  # dynamo records the packet
+
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(t) for t in (p.q, p.index_cache, p.block_table, p.seq_lens)]
+        out = ops.block_scores(*fake)
+        assert isinstance(out, FakeTensor) and out.shape == want.shape
+
+    seen = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Log():
+        assert torch.equal(ops.block_scores(p.q, p.index_cache, p.block_table, p.seq_lens), want)
+    assert op.default in seen
+
+    q = p.q.clone().requires_grad_()  # the autograd fallback sees it
+    assert torch.equal(ops.block_scores(q, p.index_cache, p.block_table, p.seq_lens), want)
+    assert calls == []  # none of these went around the dispatcher

@@ -4,7 +4,8 @@ per entry point, on one GPU.
 Entry points: ``IndexCP.score_push`` and ``IndexCP.select_blocks`` (topk 16) in the positional
 form and, where :meth:`IndexCP.plan` exists, with a plan made once before the timed calls (as a
 decode step's layers share one); per transport (``ipc``; ``collective`` for its own host work,
-its communication being a one-rank round here); ``torch.ops.cpindex.block_scores``; the kernel
+its communication being a one-rank round here); ``torch.ops.cpindex.block_scores`` and its eager
+wrapper ``ops.block_scores`` (which calls the kernel around the dispatcher); the kernel
 launcher beneath them (``KernelScorer.score_local``: the floor the entry points add to); and the
 Triton peer (``triton_block_scores``, on bf16 inputs of the same shape: it reads bf16 only).
 IndexCP runs in a one-rank one-process world (``run_threads(1, ...)``), so nothing waits on a
@@ -27,7 +28,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .. import formats, ops, partition  # noqa: F401  (ops: registers torch.ops.cpindex.*)
+from .. import formats, ops, partition
 from .kernel_sweep import ROTATE_BYTES, SM_SCALE, share_scorer
 from .timing import copy_bandwidth_gbs, synthetic_cache, synthetic_queries, time_calls, time_graph
 
@@ -143,6 +144,11 @@ def _entries(cps: dict, fmt: str, rows: int, ctx: int, t: int, dev: torch.device
     out.append((
         "torch.ops.cpindex.block_scores", "", lambda i: op(
             q, cache, None, tables[i % sets], lens, 0, 1, blocks, SM_SCALE, t
+        ), True, nbytes,
+    ))  # fmt: skip
+    out.append((
+        "ops.block_scores", "", lambda i: ops.block_scores(
+            q, cache, tables[i % sets], lens, width=blocks, sm_scale=SM_SCALE, query_len=t
         ), True, nbytes,
     ))  # fmt: skip
     launcher = share_scorer(dev, fmt, 1)

@@ -217,7 +217,7 @@ class KernelScorer:
         # grid() per (its arguments and the module's tunables, which tests patch)
         self._shapes: Memo[LaunchShape] = Memo()
         # nvfp4: a page-major cache's (values, scales) views; a pair's e4m3 scales as uint8
-        self._views: PerTensor[tuple[torch.Tensor, torch.Tensor]] = PerTensor()
+        self._views: PerTensor[tuple[torch.Tensor, torch.Tensor, int]] = PerTensor()
         self._scale_bytes: PerTensor[torch.Tensor] = PerTensor()
 
     def grid(
@@ -332,10 +332,11 @@ class KernelScorer:
         query_len: int,
         push: torch.Tensor | None = None,
         tag: int | None = None,
+        cache_key: tuple | None = None,
     ) -> None:
         """One kernel launch on the current stream. ``tag`` (pushed calls): the caller's tag,
-        compared with every peer's."""
-        kv, ks, fid = self.parts(index_cache)
+        compared with every peer's. ``cache_key``: see :meth:`parts`."""
+        kv, ks, fid = self.parts(index_cache, cache_key)
         requests, pushed = block_table.shape[0], push is not None
         key = (requests, width, pushed, query_len, fid, WGMMA_MIN_ITEMS_PER_SM, SPLIT_WARPS)
         shape = self._shapes.get(key)
@@ -347,27 +348,34 @@ class KernelScorer:
             shape.grid, word,
         )  # fmt: skip
 
-    def parts(self, index_cache: formats.Cache) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    def parts(
+        self, index_cache: formats.Cache, cache_key: tuple | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         """What the binding reads keys through (:func:`cache_parts`) and the kernel instance's
         format id. The views nvfp4 needs are kept per tensor object (a page-major cache's two
         views, a pair's uint8 view of e4m3 scales), valid while that object lives and its
-        metadata is unchanged; the binding is always handed uint8 views, as it reads bytes."""
+        metadata is unchanged; the binding is always handed uint8 views, as it reads bytes.
+        ``cache_key``: the cache's :func:`~cpindex.memo.view_key` (a pair: of each part) as
+        validation read it in this call, or None to read it here."""
         if isinstance(index_cache, tuple):
             kv, scales = index_cache
             ks = scales
             if scales.dtype != torch.uint8:
-                ks = self._scale_bytes.get(scales)
+                key = None if cache_key is None else cache_key[1]
+                ks = self._scale_bytes.get(scales, key)
                 if ks is None:
-                    ks = self._scale_bytes.put(scales, scales.view(torch.uint8))
-        elif index_cache.dtype == torch.uint8:  # a page-major nvfp4 cache
-            views = self._views.get(index_cache)
-            if views is None:
-                views = self._views.put(index_cache, cache_parts(index_cache))
-            kv, ks = views
-        else:
+                    ks = self._scale_bytes.put(scales, scales.view(torch.uint8), key)
+            # 8-byte aligned nvfp4 tokens (vLLM's 72-byte tokens): their own kernel
+            return kv, ks, structs.NVFP4_NARROW if kv.stride(1) % 16 else self.fmt_id
+        if index_cache.dtype != torch.uint8:
             return index_cache, None, self.fmt_id  # bf16/fp8: the cache itself
-        # 8-byte aligned nvfp4 tokens (vLLM's 72-byte tokens, as a pair): their own kernel
-        return kv, ks, structs.NVFP4_NARROW if kv.stride(1) % 16 else self.fmt_id
+        # A page-major nvfp4 cache: its views and the kernel instance they take.
+        views = self._views.get(index_cache, cache_key)
+        if views is None:
+            kv, ks = cache_parts(index_cache)
+            fid = structs.NVFP4_NARROW if kv.stride(1) % 16 else self.fmt_id
+            views = self._views.put(index_cache, (kv, ks, fid), cache_key)
+        return views
 
     def score_local(
         self,
@@ -384,11 +392,12 @@ class KernelScorer:
         shard: bool = False,
         q_src_stride: int | None = None,
         q_heads_per_src: int | None = None,
+        cache_key: tuple | None = None,
     ) -> None:
         """Local mode: this rank's columns for all heads into ``out``, ``[H, rows, width]`` (or
         ``[H, rows, ceil(width / world)]`` with ``shard=True``), ``rows = requests *
         query_len``. ``q`` is ``[.., rows, hps, 128]``; by default one source holding all heads
-        (``[rows, H, 128]``)."""
+        (``[rows, H, 128]``). ``cache_key``: see :meth:`parts`."""
         requests = block_table.shape[0]
         rows = requests * query_len
         hps = q_heads_per_src or self.num_heads
@@ -414,4 +423,7 @@ class KernelScorer:
                 out_row_stride=cols,
             )
             self._images.put(key, img)
-        self.launch(q, index_cache, block_table, seq_lens, img, width=width, query_len=query_len)
+        self.launch(
+            q, index_cache, block_table, seq_lens, img, width=width, query_len=query_len,
+            cache_key=cache_key,
+        )  # fmt: skip

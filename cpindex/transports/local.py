@@ -79,6 +79,7 @@ class LocalPath:
                 local_blocks=p.local_blocks,
                 width=p.width,
                 query_len=p.query_len,
+                cache_key=call.cache_key,
             )
             return
         out.copy_(

@@ -138,8 +138,9 @@ class PushEngine:
         ps.timeout_ticks = int(cfg.timeout_s * timeout_ticks_per_s)
         self.push_image = structs.image(ps)
         self._owners = partition.head_owners(cfg.num_heads, w)
-        # parameter images and score views per call shape (static sizes: a handful per run)
-        self._images: Memo[torch.Tensor] = Memo()
+        # per static call shape (a handful per run): the parameter image and the views a call
+        # returns fresh aliases of (they are never handed out themselves)
+        self._calls: Memo[tuple] = Memo()
         self._score_views: Memo[torch.Tensor] = Memo()
         # select_blocks: this rank's scored share ([H][rows][kw], local) and the results; both
         # allocated here, never inside a call (graph capture; the one-process world's rule 2).
@@ -229,42 +230,33 @@ class PushEngine:
         per (row, head) as candidates, push them to each head's owner, merge the ``W * topk``
         candidates of this rank's heads. ``topk <= structs.MAX_FUSED_TOPK``."""
         p = call.plan
-        key = ("select", p.requests, p.query_len, p.width, p.init_blocks, p.local_blocks, topk)
-        img = self._images.get(key)
-        if img is None:
-            img = self._images.put(key, self._select_params(*key[1:]))
+        requests, query_len, width = p.block_table.shape[0], p.query_len, p.width
+        key = (requests, query_len, width, p.init_blocks, p.local_blocks, topk)
+        entry = self._calls.get(key)
+        if entry is None:
+            ids, scores = self.selected.views(requests * query_len, topk)
+            entry = self._calls.put(key, (self._select_params(*key), ids, scores))
+        img, ids, scores = entry
         self.scorer.launch(
-            call.iq,
-            call.index_cache,
-            p.block_table,
-            p.seq_lens,
-            img,
-            width=p.width,
-            query_len=p.query_len,
-            push=self.push_image,
-            tag=call.tag,
-        )
-        return self.selected.views(p.rows, topk)
+            call.iq, call.index_cache, p.block_table, p.seq_lens, img, width=width,
+            query_len=query_len, push=self.push_image, tag=call.tag, cache_key=call.cache_key,
+        )  # fmt: skip
+        return ids.detach(), scores.detach()
 
     def score_push(self, call: Call) -> torch.Tensor:
         p = call.plan
         requests, query_len, width = p.block_table.shape[0], p.query_len, p.width
         key = (requests, query_len, width, p.init_blocks, p.local_blocks)
-        img = self._images.get(key)
-        if img is None:
-            img = self._images.put(key, self._params(*key))
+        entry = self._calls.get(key)
+        if entry is None:
+            view = self.scores_view(requests * query_len, width)
+            entry = self._calls.put(key, (self._params(*key), view))
+        img, view = entry
         self.scorer.launch(
-            call.iq,
-            call.index_cache,
-            p.block_table,
-            p.seq_lens,
-            img,
-            width=width,
-            query_len=query_len,
-            push=self.push_image,
-            tag=call.tag,
-        )
-        return self.scores_view(requests * query_len, width)
+            call.iq, call.index_cache, p.block_table, p.seq_lens, img, width=width,
+            query_len=query_len, push=self.push_image, tag=call.tag, cache_key=call.cache_key,
+        )  # fmt: skip
+        return view.detach()
 
     def scores_view(self, rows: int, width: int) -> torch.Tensor:
         """The ``[hpr, rows, width]`` view of this rank's receive buffer a call returns: a fresh
