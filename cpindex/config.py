@@ -216,7 +216,8 @@ class CPIndexConfig(BaseModel):
           ``[heads_per_rank, max_rows, max_width]`` and int64 ``select_blocks`` candidate
           slots ``[W, heads_per_rank, max_rows, max_topk]``.
         * ``collective`` (``transports/collective.py``): the gathered queries of every rank,
-          each followed by a 16-byte agreement trailer, a float32 shard ``[num_heads, max_rows, ceil(max_width / W)]``, the received shards
+          each followed by a 16-byte agreement trailer, a float32 shard ``[num_heads,
+          max_rows, ceil(max_width / W)]``, the received shards
           ``[W, heads_per_rank, max_rows, ceil(max_width / W)]``, the output, the received
           int64 candidates ``[W, heads_per_rank, max_rows, max_topk]``, the shard's block
           ids' key bits and the agreement's few words (under 64 bytes plus 2 per rank).

@@ -35,7 +35,7 @@ def _trailers(fps: list[int], hashes: list[int] | None = None) -> torch.Tensor:
 
 
 def _agreement(world: int, rank: int, heads: int) -> DeviceAgreement:
-    return DeviceAgreement(world, rank, heads, torch.zeros(3, dtype=torch.int64))
+    return DeviceAgreement(world, rank, heads, torch.zeros(3, dtype=torch.int64), 256)
 
 
 def _compare(a: DeviceAgreement, trailers: torch.Tensor, call: int) -> bool:

@@ -62,7 +62,9 @@ class DeviceAgreement:
     GPU) records the first disagreement since :meth:`clear`: ``[call, index, detail]``, call 0
     while none is recorded; :meth:`decode` names it."""
 
-    def __init__(self, world: int, rank: int, num_heads: int, word: torch.Tensor) -> None:
+    def __init__(
+        self, world: int, rank: int, num_heads: int, word: torch.Tensor, query_bytes: int
+    ) -> None:
         dev = word.device
         self.world, self.rank, self.num_heads = world, rank, num_heads
         self.replicas = num_heads < world  # ranks r, r + H, ... own head r % H
@@ -79,6 +81,8 @@ class DeviceAgreement:
         self._zero = torch.zeros(1, dtype=torch.int64, device=dev)  # a plan without fingerprint
         self.word = word
         self._recorded = word[0:1]
+        # Query hashes' weights, made once for the largest queries (``query_bytes``).
+        self._weights = fingerprint.query_weights(query_bytes // 4, dev) if self.replicas else None
         # ``differ``'s rows as the comparisons write them (replicas: ``[W / H, H]``).
         self._differ = [self.differ[0]] + (
             [self.differ[1].view(-1, num_heads)] if self.replicas else []
@@ -92,7 +96,7 @@ class DeviceAgreement:
             (self._zero if fp is None else fp).view(torch.uint8),
         ]
         if self.replicas:
-            parts.append(fingerprint.query_hash(iq).view(1).view(torch.uint8))
+            parts.append(fingerprint.query_hash(iq, self._weights).view(1).view(torch.uint8))
         n = mine.numel() - (0 if self.replicas else 8)  # without replicas the hash word is unused
         torch.cat(parts, out=mine[:n])
 
@@ -432,7 +436,9 @@ class CollectiveTransport(Transport):
         # read in place at every check() (no tensor op); ``_host_word`` owns the memory
         self._host_call = ctypes.c_int64.from_address(host_word.data_ptr())
         ctx = self.ctx
-        self.agreement = DeviceAgreement(ctx.world, ctx.rank, ctx.config.num_heads, word)
+        cfg = ctx.config
+        q_bytes = cfg.max_rows * ctx.heads_per_rank * cfg.head_dim * self._elem
+        self.agreement = DeviceAgreement(ctx.world, ctx.rank, cfg.num_heads, word, q_bytes)
         self._share_views.clear()
 
     def _collective(self, what: str, fn, out: torch.Tensor, inp: torch.Tensor) -> None:
