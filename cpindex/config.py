@@ -216,10 +216,11 @@ class CPIndexConfig(BaseModel):
           ``[heads_per_rank, max_rows, max_width]`` and int64 ``select_blocks`` candidate
           slots ``[W, heads_per_rank, max_rows, max_topk]``.
         * ``collective`` (``transports/collective.py``): the gathered queries of every rank,
-          a float32 shard ``[num_heads, max_rows, ceil(max_width / W)]``, the received shards
+          each followed by a 16-byte agreement trailer, a float32 shard ``[num_heads,
+          max_rows, ceil(max_width / W)]``, the received shards
           ``[W, heads_per_rank, max_rows, ceil(max_width / W)]``, the output, the received
-          int64 candidates ``[W, heads_per_rank, max_rows, max_topk]`` and the shard's block
-          ids.
+          int64 candidates ``[W, heads_per_rank, max_rows, max_topk]``, the shard's block
+          ids' key bits and the agreement's few words (under 64 bytes plus 2 per rank).
         * ``select_blocks`` results (``selection.Outputs``): int32 ids and float32 scores,
           ``[heads_per_rank, max_rows, max_topk]`` each.
         """
@@ -232,7 +233,7 @@ class CPIndexConfig(BaseModel):
         cand = w * hpr * rows * self.max_topk * 8
         peer = 4096 + w * _align256(q_rank) + _align256(out) + cand
         shards = self.num_heads * rows * kw * 4 + w * hpr * rows * kw * 4
-        collective = w * q_rank + shards + out + cand + kw * 8
+        collective = w * (q_rank + 16) + shards + out + cand + kw * 8 + 64 + 2 * w
         select = hpr * rows * self.max_topk * 8
         return max(peer, collective) + select
 

@@ -73,9 +73,18 @@ def plan_fingerprint(
     return out.copy_(total.view(1))
 
 
-def query_hash(iq: torch.Tensor) -> torch.Tensor:
+def query_weights(words: int, device: torch.device) -> torch.Tensor:
+    """The weights :func:`query_hash` gives a query's first ``words`` int32 words (a prefix of
+    a longer query's: made once for the largest, they serve every size)."""
+    pos = torch.arange(words, device=device, dtype=torch.int64).add_(_SALT_QUERY)
+    return _weights(pos)
+
+
+def query_hash(iq: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
     """A 0-d int64 hash of the bytes of a contiguous query tensor (any dtype whose rows are a
-    multiple of 4 bytes, as a 128-element query row always is), on its device."""
-    words = iq.view(torch.uint8).view(-1).view(torch.int32).to(torch.int64)
-    pos = torch.arange(words.numel(), device=iq.device, dtype=torch.int64).add_(_SALT_QUERY)
-    return _weights(pos).mul_(words).sum()
+    multiple of 4 bytes, as a 128-element query row always is), on its device. With
+    ``weights`` (:func:`query_weights`, at least as long), two ops."""
+    words = iq.view(torch.uint8).view(-1).view(torch.int32)
+    if weights is None:
+        weights = query_weights(words.numel(), iq.device)
+    return torch.mul(words, weights[: words.numel()]).sum()  # in int64, wrapping

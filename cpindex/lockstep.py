@@ -198,6 +198,8 @@ def agree_call(
             call=call_no,
         )
     for peer, theirs in enumerate(headers):
+        if theirs == header:  # the usual case, in one dict comparison
+            continue
         diff = [f for f in HEADER_FIELDS if _differ(f, header.get(f), theirs.get(f))]
         if not diff:
             continue

@@ -20,17 +20,24 @@ _LOW = 1 << 32
 _MASK = _LOW - 1
 #: Fills slots that hold no candidate (padding, columns past ``width``); below every real key.
 FILLER = -(1 << 63)
+#: -inf's float bits made order-preserving (:func:`_ordered`): the lowest real score.
+_ORDERED_NEG_INF = -0x00800000 ^ 0x7FFFFFFF
 #: Keys below this one carry a ``-inf`` score (or are FILLER): never selected.
-_PAD_BELOW = (-0x00800000 ^ 0x7FFFFFFF) * _LOW + _LOW  # ordered bits of -inf, plus one
+_PAD_BELOW = _ORDERED_NEG_INF * _LOW + _LOW
 #: The id the ascending re-sort gives a padded slot, so padding lands after every real id.
 _PAD_ID = 0x7FFFFFFF
-_NEG_INF_BITS = 0xFF800000
 
 
 def _ordered(bits: torch.Tensor) -> torch.Tensor:
-    """int32 float bits (held in int64) -> int64 whose signed order is the floats' order.
-    Negative floats have their magnitude bits flipped; the map is its own inverse."""
-    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    """int32 float bits -> int32 whose signed order is the floats' order. Negative floats
+    have their magnitude bits flipped (``bits >> 31`` is -1 for them, else 0); the map is its
+    own inverse."""
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+def id_bits(ids: torch.Tensor) -> torch.Tensor:
+    """The low 32 bits of the keys at block ``ids`` (int64 in ``[0, 2**31)``), as int64."""
+    return _MASK - ids
 
 
 def pack(
@@ -39,11 +46,15 @@ def pack(
     """Keys of float32 ``scores [..., n]`` at block ``ids`` (int64, broadcastable, in
     ``[0, 2**31)``); where ``valid`` is False the key is :data:`FILLER`. Returns int64
     ``[..., n]``."""
-    # -0.0 and +0.0 are equal scores: give them one key so their tie goes to the lower id.
-    s = torch.where(scores == 0, torch.zeros_like(scores), scores)
-    hi = _ordered(s.view(torch.int32).to(torch.int64))
-    key = hi * _LOW + (_MASK - ids)
-    return key if valid is None else torch.where(valid, key, torch.full_like(key, FILLER))
+    key = pack_bits(scores, id_bits(ids))
+    return key if valid is None else torch.where(valid, key, FILLER)
+
+
+def pack_bits(scores: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """:func:`pack` with the ids' key bits made beforehand (:func:`id_bits`): five ops."""
+    # -0.0 + 0.0 is +0.0: equal scores get one key, so their tie goes to the lower id.
+    hi = _ordered((scores + 0.0).view(torch.int32))
+    return torch.add(low, hi, alpha=_LOW)  # in int64: hi * 2**32 + low
 
 
 def top_keys(keys: torch.Tensor, k: int) -> torch.Tensor:
@@ -59,20 +70,21 @@ def top_keys(keys: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def finish(best: torch.Tensor, ids_out: torch.Tensor, scores_out: torch.Tensor) -> None:
-    """Writes the selected keys ``best`` (int64 ``[..., k]``, any order) as the contract's
-    result: block ids ascending with ``-1`` padding after them (int32 ``ids_out``) and their
-    scores aligned (float32 ``scores_out``, ``-inf`` where padded). Outputs are ``[..., k]``."""
+    """Writes the selected keys ``best`` (int64 ``[..., k]``, any order, last dim contiguous)
+    as the contract's result: block ids ascending with ``-1`` padding after them (int32
+    ``ids_out``) and their scores aligned (float32 ``scores_out``, ``-inf`` where padded).
+    Outputs are ``[..., k]``."""
+    # A key's 32-bit halves, little-endian: low = 0xFFFFFFFF - id, i.e. ~id as int32.
+    halves = best.view(torch.int32).unflatten(-1, (-1, 2))
     pad = best < _PAD_BELOW
-    hi = torch.div(best, _LOW, rounding_mode="floor")
-    block = _MASK - (best & _MASK)
-    bits = _ordered(hi) & _MASK  # the float's raw bits, as an unsigned 32-bit value
-    # Re-key by (block id, score bits): one more top-k over k keys sorts ascending by id.
-    key = torch.where(pad, _PAD_ID, block) * _LOW + torch.where(pad, _NEG_INF_BITS, bits)
-    key = key.topk(key.shape[-1], dim=-1, largest=False, sorted=True).values
-    block = torch.div(key, _LOW, rounding_mode="floor")
-    ids_out.copy_(torch.where(block == _PAD_ID, -1, block))
-    bits = key & _MASK
-    scores_out.view(torch.int32).copy_(torch.where(bits >= 1 << 31, bits - _LOW, bits))
+    ids = torch.where(pad, _PAD_ID, torch.bitwise_not(halves[..., 0]))
+    # One sort by id (ids are distinct, padding last), written straight into ids_out.
+    order = torch.empty(ids.shape, dtype=torch.int64, device=ids.device)
+    torch.topk(ids, ids.shape[-1], largest=False, sorted=True, out=(ids_out, order))
+    ids_out.masked_fill_(ids_out == _PAD_ID, -1)
+    # Scores: the high halves in that order; padding (FILLER, -inf) clamped to -inf's bits.
+    hi = torch.gather(halves[..., 1], -1, order).clamp_(min=_ORDERED_NEG_INF)
+    torch.bitwise_xor(hi, (hi >> 31) & 0x7FFFFFFF, out=scores_out.view(torch.int32))
 
 
 def select(

@@ -13,11 +13,17 @@ only those, and each head's owner merges ``W * topk`` of them (docs/contract.md 
 Agreement (docs/design.md, "Ranks in step"): on the CPU, ``IndexCP`` compares each call's
 header, with the plan's fingerprint and replicated heads' query hashes, before step 1. On a GPU
 a host comparison would cost a sync, so step 1 carries them instead: each rank's slot of the
-gathered buffer is its query rows followed by 16 bytes (the plan's fingerprint, the hash of its
-queries where ranks share a head), every rank compares all slots on the device, and on a
-mismatch writes NaN over the call's outputs and records the first disagreement in a word of
-pinned host memory the device writes (as the kernel's error word), raised as ``OutOfStepError``
-by the next call or ``check()`` (at once with ``error_check="sync"``).
+gathered buffer is its query rows followed by 16 bytes (the plan's fingerprint and, where ranks
+share a head, the hash of its queries), every rank compares all slots on the device
+(:class:`DeviceAgreement`), and on a mismatch writes NaN over the call's outputs and records
+the first disagreement in a word of pinned host memory the device writes (as the kernel's
+error word), raised as ``OutOfStepError`` by the next call or ``check()`` (at once with
+``error_check="sync"``).
+
+Per call, apart from the scoring launch and the two collectives, the path is a handful of torch
+ops on buffers and views made once (per size): one copy of the queries and trailer into the
+gathered buffer, six for the agreement, and the interleave with its NaN mask in one op per
+span (two when ``W`` does not divide ``width``). Nothing reads the device from the host.
 """
 
 from __future__ import annotations
@@ -39,26 +45,110 @@ from .base import Context, Transport, register
 log = logging.getLogger("cpindex")
 
 #: Bytes after each rank's query rows in the gathered buffer (GPU agreement): the plan's
-#: fingerprint and the hash of this rank's queries (int64 each).
+#: fingerprint and the hash of this rank's queries (int64 each; 16 keeps every slot's queries
+#: 16-byte aligned for the kernel).
 TRAILER = 16
-#: The disagreement word, int64 ``[kind, peer, call, detail]``; kinds: block tables or
-#: lengths, replicated heads' queries (0: none recorded).
+#: Kinds of disagreement (``DeviceAgreement.differ``'s rows): block tables or lengths,
+#: replicated heads' queries.
 KIND_TABLES, KIND_QUERIES = 1, 2
 
 
+class DeviceAgreement:
+    """The device side of the collective agreement (module docstring): stamps this rank's
+    trailer and compares every rank's after the all-gather, in a fixed number of torch ops on
+    buffers made here, with no host sync and nothing made per call (graph-capturable).
+
+    ``word`` (int64 ``[3]``, pinned host memory the device writes through its mapping on a
+    GPU) records the first disagreement since :meth:`clear`: ``[call, index, detail]``, call 0
+    while none is recorded; :meth:`decode` names it."""
+
+    def __init__(
+        self, world: int, rank: int, num_heads: int, word: torch.Tensor, query_bytes: int
+    ) -> None:
+        dev = word.device
+        self.world, self.rank, self.num_heads = world, rank, num_heads
+        self.replicas = num_heads < world  # ranks r, r + H, ... own head r % H
+        # ``differ[kind - 1, peer]``: that peer's trailer word disagrees (row-major: tables
+        # first, so the first disagreement found is the one that explains best).
+        self.differ = torch.zeros(2 if self.replicas else 1, world, dtype=torch.bool, device=dev)
+        self._flags = self.differ.view(-1).view(torch.uint8)  # max() over bool: as uint8
+        self._any = torch.zeros(1, dtype=torch.uint8, device=dev)
+        #: This call's verdict: bool ``[1]``, True when any rank disagrees (the NaN mask).
+        self.bad = self._any.view(torch.bool)
+        self._new = torch.zeros(3, dtype=torch.int64, device=dev)  # this call's record
+        self._call, self._index, self._detail = self._new[0:1], self._new[1:2], self._new[2:3]
+        self._record = torch.zeros(1, dtype=torch.bool, device=dev)
+        self._zero = torch.zeros(1, dtype=torch.int64, device=dev)  # a plan without fingerprint
+        self.word = word
+        self._recorded = word[0:1]
+        # Query hashes' weights, made once for the largest queries (``query_bytes``).
+        self._weights = fingerprint.query_weights(query_bytes // 4, dev) if self.replicas else None
+        # ``differ``'s rows as the comparisons write them (replicas: ``[W / H, H]``).
+        self._differ = [self.differ[0]] + (
+            [self.differ[1].view(-1, num_heads)] if self.replicas else []
+        )
+
+    def stamp(self, mine: torch.Tensor, iq: torch.Tensor, fp: torch.Tensor | None) -> None:
+        """Writes this rank's slot (uint8 ``[q_bytes + TRAILER]``): its queries, the plan's
+        fingerprint and, where ranks share a head, the hash of its queries. One op."""
+        parts = [
+            iq.view(-1).view(torch.uint8),
+            (self._zero if fp is None else fp).view(torch.uint8),
+        ]
+        if self.replicas:
+            parts.append(fingerprint.query_hash(iq, self._weights).view(1).view(torch.uint8))
+        n = mine.numel() - (0 if self.replicas else 8)  # without replicas the hash word is unused
+        torch.cat(parts, out=mine[:n])
+
+    def views(self, trailers: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What :meth:`compare` reads of one call size's ``trailers`` (every rank's int64
+        ``[W, 2]``, a view of the gathered buffer), made once per size."""
+        fps = trailers[:, 0]
+        found = (fps, fps[self.rank], trailers.t()[: self.differ.shape[0]])
+        if not self.replicas:
+            return found
+        hashes = trailers[:, 1].view(-1, self.num_heads)  # [W / H, H]: rank r at [r // H, r % H]
+        return (*found, hashes, hashes[0])  # head h's first owner is rank h
+
+    def compare(self, views: tuple[torch.Tensor, ...], call: int) -> None:
+        """Sets :attr:`bad` from every rank's trailer (:meth:`views`) and records this call's
+        first disagreement unless one is recorded. Six ops (seven with replicated heads)."""
+        fps, mine, values = views[:3]
+        torch.ne(fps, mine, out=self._differ[0])  # any pair that differs shows against mine
+        if self.replicas:
+            torch.ne(views[3], views[4], out=self._differ[1])
+        # The verdict and the first disagreement's index in one op (max: its first index).
+        torch.max(self._flags, 0, keepdim=True, out=(self._any, self._index))
+        self._call.fill_(call)
+        torch.take(values, self._index, out=self._detail)
+        # word[0] < any: nothing recorded yet (call 0) and this call disagrees.
+        torch.lt(self._recorded, self._any, out=self._record)
+        torch.where(self._record, self._new, self.word, out=self.word)
+
+    def decode(self, word: list[int]) -> tuple[int, int, int, int]:
+        """``(kind, peer, call, detail)`` of a recorded :attr:`word` (read on the host)."""
+        call, index, detail = word[:3]
+        return index // self.world + KIND_TABLES, index % self.world, call, detail
+
+
 class _ShareViews(NamedTuple):
-    """One call size's views of the gathered queries, the shard and the received scores."""
+    """One call size's views of the gathered queries, the shard, the received scores and the
+    output (internal: never handed to a caller)."""
 
     kw: int  # shard columns: ceil(width / W)
     slot: int  # bytes of one rank's slot in the gathered buffer
     gathered: torch.Tensor  # uint8 [W, slot]
     mine: torch.Tensor  # this rank's slot
-    mine_q: torch.Tensor  # its query bytes
-    trailer: torch.Tensor  # int64 [2] after them (device agreement)
-    trailers: torch.Tensor  # int64 [W, 2]: every rank's
+    trailers: tuple[torch.Tensor, ...]  # what the device agreement compares (its views)
     q_all: torch.Tensor  # [W, rows, hpr, 128] in the query dtype
     shard: torch.Tensor  # float32 [H, rows, kw]
     recv: torch.Tensor  # float32 [W, hpr, rows, kw]
+    # (output, received) pairs whose copies interleave ``recv`` into the output: column
+    # src + W*k of the output is column k of rank src's shard. One pair when W divides
+    # width, else a second for the last, partial group of W columns.
+    spans: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    low: torch.Tensor  # int64 [kw]: the shard columns' key bits (selection.id_bits)
+    owned: int  # shard columns that hold a block (the rest lie past width)
 
 
 @register
@@ -79,12 +169,12 @@ class CollectiveTransport(Transport):
         self.qdtype = formats.query_dtype(self.fmt)
         kw = partition.shard_width(cfg.max_width, w)
         dev = ctx.device
-        #: GPU agreement rides on the query all-gather (module docstring).
-        self.agree_on_device = dev.type == "cuda" and cfg.fingerprint
+        #: GPU agreement rides on the query all-gather (module docstring); set up below.
+        self.agreement: DeviceAgreement | None = None
+        want_agreement = dev.type == "cuda" and cfg.fingerprint
         self._elem = torch.empty(0, dtype=self.qdtype).element_size()
         q_bytes = cfg.max_rows * hpr * cfg.head_dim * self._elem
-        trailer = TRAILER if self.agree_on_device else 0
-        self._q = torch.empty(w * (q_bytes + trailer), dtype=torch.uint8, device=dev)
+        self._q = torch.empty(w * (q_bytes + TRAILER), dtype=torch.uint8, device=dev)
         self._shard = torch.empty(cfg.num_heads * cfg.max_rows * kw, device=dev)
         self._recv = torch.empty(w * hpr * cfg.max_rows * kw, device=dev)
         self._out = torch.empty(hpr * cfg.max_rows * cfg.max_width, device=dev)
@@ -94,8 +184,9 @@ class CollectiveTransport(Transport):
             w * hpr * cfg.max_rows * cfg.max_topk, dtype=torch.int64, device=dev
         )
         self._selected = selection.Outputs(cfg, hpr, dev)
-        # Block id of each shard column: column k of rank r is block r + W*k.
-        self._cols = torch.arange(kw, device=dev) * w + ctx.rank
+        # Column k of rank r's shard is block r + W*k; its keys' low bits, made once.
+        self._low = selection.id_bits(torch.arange(kw, device=dev) * w + ctx.rank)
+        self._nan = torch.full((), float("nan"), device=dev)
         # Which of the shard's heads go to each destination (replicated heads: d % H).
         self._send_heads = (
             None
@@ -106,12 +197,11 @@ class CollectiveTransport(Transport):
         self._half_done: str | None = None  # a data collective that did not finish everywhere
         self.scorer = None
         self.monitor = None
-        self._bad: torch.Tensor | None = None  # this call's device-side disagreement flag
         error = None
         try:
             if dev.type == "cuda":
                 self.monitor = ErrorMonitor(dev, ctx.rank)
-                if self.agree_on_device:
+                if want_agreement:
                     self._init_device_agreement()
                 self.scorer = KernelScorer(
                     dev,
@@ -133,7 +223,12 @@ class CollectiveTransport(Transport):
                 "collective: " + "; ".join(f"rank {r}: {why}" for r, why in failed)
             )
         if not all(agree for _, agree in reports):
-            self.agree_on_device = False
+            self.agreement = None
+
+    @property
+    def agree_on_device(self) -> bool:
+        """Whether calls compare the ranks' fingerprints (and query hashes) on the device."""
+        return self.agreement is not None
 
     @property
     def capturable(self) -> bool:
@@ -150,18 +245,22 @@ class CollectiveTransport(Transport):
     def score_push(self, call: Call) -> torch.Tensor:
         w, hpr = self.ctx.world, self.ctx.heads_per_rank
         rows, width = call.plan.rows, call.plan.width
-        shard, kw = self._score_share(call)
+        v = self._views(rows, width)
+        shard = self._score_share(call, v)
         send = shard if self._send_heads is None else shard.index_select(0, self._send_heads)
-        recv = self._views(rows, width).recv
         self._collective(
-            "all-to-all of scores", self.ctx.comm.all_to_all_into, recv, send.view(w, hpr, rows, kw)
+            "all-to-all of scores",
+            self.ctx.comm.all_to_all_into,
+            v.recv,
+            send.view(w, hpr, rows, v.kw),
         )
-        out = self.scores_out(rows, width)
-        # Column src + W*k of the output is column k of rank src's shard.
-        out.copy_(recv.permute(1, 2, 3, 0).reshape(hpr, rows, kw * w)[:, :, :width])
-        if self._bad is not None:
-            out.masked_fill_(self._bad, float("nan"))
-        return out
+        agreement = self.agreement
+        for dst, src in v.spans:  # the interleave, with the NaN mask where ranks disagree
+            if agreement is None:
+                dst.copy_(src)
+            else:
+                torch.where(agreement.bad, self._nan, src, out=dst)
+        return self.scores_out(rows, width)
 
     def select_blocks(self, call: Call, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Candidate exchange: the global top-k lies in the union of the ranks' top-k of their
@@ -169,10 +268,11 @@ class CollectiveTransport(Transport):
         keys per row and head) does not grow with ``width``."""
         w, hpr = self.ctx.world, self.ctx.heads_per_rank
         rows, width = call.plan.rows, call.plan.width
-        shard, kw = self._score_share(call)
-        cols = self._cols[:kw]
-        # Shard columns past width (the last one on some ranks) hold no block: FILLER keys.
-        local = selection.top_keys(selection.pack(shard, cols, cols < width), topk)
+        v = self._views(rows, width)
+        keys = selection.pack_bits(self._score_share(call, v), v.low)
+        if v.owned < v.kw:  # the last shard column lies past width here: it holds no block
+            keys[:, :, v.owned :].fill_(selection.FILLER)
+        local = selection.top_keys(keys, topk)
         send = local if self._send_heads is None else local.index_select(0, self._send_heads)
         recv = self._cand[: w * hpr * rows * topk].view(w, hpr, rows, topk)
         self._collective(
@@ -184,9 +284,10 @@ class CollectiveTransport(Transport):
         merged = recv.permute(1, 2, 0, 3).reshape(hpr, rows, w * topk)
         ids, scores = self.selected_out(rows, topk)
         selection.finish(selection.top_keys(merged, topk), ids, scores)
-        if self._bad is not None:
-            scores.masked_fill_(self._bad, float("nan"))
-            ids.masked_fill_(self._bad, -1)
+        if self.agreement is not None:
+            bad = self.agreement.bad
+            scores.masked_fill_(bad, float("nan"))
+            ids.masked_fill_(bad, -1)
         return ids, scores
 
     def scores_out(self, rows: int, width: int) -> torch.Tensor:
@@ -209,7 +310,7 @@ class CollectiveTransport(Transport):
 
     def _views(self, rows: int, width: int) -> _ShareViews:
         """The views of this transport's buffers a call of ``rows`` x ``width`` works in, made
-        once per size (internal: never handed to a caller)."""
+        once per size. Views only: a size first met inside a graph capture records nothing."""
         got = self._share_views.get((rows, width))
         if got is not None:
             return got
@@ -218,39 +319,53 @@ class CollectiveTransport(Transport):
         q_bytes = rows * hpr * cfg.head_dim * self._elem
         slot = q_bytes + (TRAILER if self.agree_on_device else 0)
         gathered = self._q[: w * slot].view(w, slot)
-        mine = gathered[rank]  # with agreement gathered in place: this rank's slot is its input
+        recv = self._recv[: w * hpr * rows * kw].view(w, hpr, rows, kw)
+        out = self._out[: hpr * rows * width].view(hpr, rows, width)
+        full, part = divmod(width, w)  # width = full * W + part
+        spans = []
+        if full:
+            spans.append(
+                (
+                    out[:, :, : full * w].view(hpr, rows, full, w),
+                    recv[..., :full].permute(1, 2, 3, 0),
+                )
+            )
+        if part:  # columns full*W + src for src < part: column ``full`` of those ranks' shards
+            spans.append((out[:, :, full * w :], recv[:part, :, :, full].permute(1, 2, 0)))
         return self._share_views.put(
             (rows, width),
             _ShareViews(
                 kw=kw,
                 slot=slot,
                 gathered=gathered,
-                mine=mine,
-                mine_q=mine[:q_bytes],
-                trailer=mine[q_bytes:].view(torch.int64),
-                trailers=gathered[:, q_bytes:].view(torch.int64),
+                mine=gathered[rank],  # gathered in place: this rank's slot is its input
+                trailers=()
+                if self.agreement is None
+                else self.agreement.views(gathered[:, q_bytes:].view(torch.int64)),
                 q_all=gathered[:, :q_bytes].view(self.qdtype).view(w, rows, hpr, cfg.head_dim),
                 shard=self._shard[: cfg.num_heads * rows * kw].view(cfg.num_heads, rows, kw),
-                recv=self._recv[: w * hpr * rows * kw].view(w, hpr, rows, kw),
+                recv=recv,
+                spans=tuple(spans),
+                low=self._low[:kw],
+                owned=partition.blocks_owned(width, rank, w),
             ),
         )
 
-    def _score_share(self, call: Call) -> tuple[torch.Tensor, int]:
+    def _score_share(self, call: Call, v: _ShareViews) -> torch.Tensor:
         """Steps 1-2: gather every rank's queries, score this rank's share of every row's
-        blocks for all heads. Returns the ``[H, rows, kw]`` shard and ``kw``."""
+        blocks for all heads. Returns the ``[H, rows, kw]`` shard."""
         cfg, w, rank, hpr = self.ctx.config, self.ctx.world, self.ctx.rank, self.ctx.heads_per_rank
         plan = call.plan
         width = plan.width
-        v = self._views(plan.rows, width)
-        kw, slot, gathered, q_all, shard = v.kw, v.slot, v.gathered, v.q_all, v.shard
+        gathered, q_all, shard = v.gathered, v.q_all, v.shard
         self.calls += 1
-        if self.agree_on_device:
-            v.mine_q.copy_(call.iq.view(-1).view(torch.uint8))
-            self._stamp(v.trailer, call)
+        agreement = self.agreement
+        if agreement is not None:
+            agreement.stamp(v.mine, call.iq, plan.fingerprint)
             self._collective(
                 "all-gather of queries", self.ctx.comm.all_gather_into, gathered, v.mine
             )
-            self._compare(v.trailers)
+            agreement.compare(v.trailers, self.calls)
         else:
             self._collective(
                 "all-gather of queries", self.ctx.comm.all_gather_into, gathered, call.iq
@@ -267,7 +382,7 @@ class CollectiveTransport(Transport):
                 width=width,
                 query_len=plan.query_len,
                 shard=True,
-                q_src_stride=slot,
+                q_src_stride=v.slot,
                 q_heads_per_src=hpr,
             )
         else:
@@ -284,75 +399,47 @@ class CollectiveTransport(Transport):
                 columns=cols,
                 query_len=plan.query_len,
             )
-        return shard, kw
+        return shard
 
     # ---- agreement on the device (module docstring) ------------------------------------------
     def _init_device_agreement(self) -> None:
-        """The disagreement word: a device copy and a pinned host copy the device writes
-        through its mapping, so ``check()`` reads it without a sync (like the kernel's error
-        word). Checked once here; a system where the device cannot write it gets no device
-        agreement (logged)."""
+        """The disagreement word in pinned host memory the device writes (and reads) through
+        its mapping, so ``check()`` reads it without a sync (like the kernel's error word).
+        Checked once here; a system where the device cannot write it gets no device agreement
+        (logged)."""
         from .peer import view_bytes  # raw device memory as a tensor (no import cycle at load)
 
-        ctx, cfg, w = self.ctx, self.ctx.config, self.ctx.world
+        ctx = self.ctx
         dev = ctx.device
-        self._word = torch.zeros(4, dtype=torch.int64, device=dev)
-        self._word_new = torch.zeros(4, dtype=torch.int64, device=dev)
         with torch.cuda.device(dev):  # pinned memory registered with this rank's device
-            self._host_word = torch.zeros(4, dtype=torch.int64, pin_memory=True)
-        mapped = kernels.load(dev).host_device_pointer(self._host_word.data_ptr())
-        self._word_host = view_bytes(mapped, 32, dev).view(torch.int64)
-        self._word_host.fill_(7)
+            host_word = torch.zeros(3, dtype=torch.int64, pin_memory=True)
+        mapped = kernels.load(dev).host_device_pointer(host_word.data_ptr())
+        word = view_bytes(mapped, 24, dev).view(torch.int64)
+        word.fill_(7)
         torch.cuda.synchronize(dev)
-        if self._word_host.data_ptr() != mapped or int(self._host_word[0]) != 7:
+        if word.data_ptr() != mapped or int(host_word[0]) != 7:
             log.warning(
                 "cpindex: rank %d cannot write pinned host memory from %s; the collective "
                 "transport compares no fingerprints on the device",
                 ctx.rank,
                 dev,
             )
-            self.agree_on_device = False
             return
-        self._host_word.zero_()
+        self._use_device_agreement(host_word, word)
+
+    def _use_device_agreement(self, host_word: torch.Tensor, word: torch.Tensor) -> None:
+        """Compare on the device from now on, recording into ``word`` (int64 ``[3]`` the
+        device writes), which ``host_word`` (CPU) shows to the host; on the CPU (tests) one
+        tensor. Before the first call, on every rank (the gathered slots change layout)."""
+        host_word.zero_()
+        self._host_word = host_word
         # read in place at every check() (no tensor op); ``_host_word`` owns the memory
-        self._host_kind = ctypes.c_int64.from_address(self._host_word.data_ptr())
-        self._replicas = cfg.num_heads < w  # ranks r, r + H, ... own head r % H
-        self._head_owner = torch.tensor(
-            [s % cfg.num_heads for s in range(w)], dtype=torch.int64, device=dev
-        )
-
-    def _stamp(self, trailer: torch.Tensor, call: Call) -> None:
-        """This rank's 16 bytes after its queries: the plan's fingerprint and, where ranks
-        share a head, the hash of its queries (else 0)."""
-        fp = call.plan.fingerprint
-        if fp is None:  # a plan made without one: compare zeros (IndexCP supplies one)
-            trailer[:1].zero_()
-        else:
-            trailer[:1].copy_(fp)
-        if self._replicas:
-            trailer[1:].copy_(fingerprint.query_hash(call.iq).view(1))
-        else:
-            trailer[1:].zero_()
-
-    def _compare(self, trailers: torch.Tensor) -> None:
-        """``trailers``: every rank's int64 ``[W, 2]``. Sets ``self._bad`` (0-d bool, device)
-        and records the first disagreement unless one is recorded already."""
-        w = self.ctx.world
-        fps, hashes = trailers[:, 0], trailers[:, 1]
-        differ = fps != fps[self.ctx.rank]  # any pair that differs shows against this rank
-        if self._replicas:
-            differ = torch.cat([differ, hashes != hashes.index_select(0, self._head_owner)])
-        bad = differ.any()
-        first = differ.to(torch.int64).argmax().view(1)  # the first disagreement: kind, peer
-        word = self._word_new
-        word[0:1].copy_(first // w + KIND_TABLES)
-        word[1:2].copy_(first % w)
-        word[2].fill_(self.calls)
-        word[3:4].copy_(trailers.t().reshape(-1).index_select(0, first))
-        merged = torch.where(bad & (self._word[0] == 0), word, self._word)
-        self._word.copy_(merged)
-        self._word_host.copy_(merged)
-        self._bad = bad
+        self._host_call = ctypes.c_int64.from_address(host_word.data_ptr())
+        ctx = self.ctx
+        cfg = ctx.config
+        q_bytes = cfg.max_rows * ctx.heads_per_rank * cfg.head_dim * self._elem
+        self.agreement = DeviceAgreement(ctx.world, ctx.rank, cfg.num_heads, word, q_bytes)
+        self._share_views.clear()
 
     def _collective(self, what: str, fn, out: torch.Tensor, inp: torch.Tensor) -> None:
         # The call's header round passed on every rank, so every rank posts this collective;
@@ -385,14 +472,13 @@ class CollectiveTransport(Transport):
         return self._half_done
 
     def check(self) -> None:
-        if self.monitor is None:
-            return
-        if self.agree_on_device and self._host_kind.value:
-            raise self._disagreement(self._host_word.tolist())
-        self.monitor.check()
+        if self.agreement is not None and self._host_call.value:
+            raise self._disagreement(self.agreement.decode(self._host_word.tolist()))
+        if self.monitor is not None:
+            self.monitor.check()
 
-    def _disagreement(self, word: list[int]) -> OutOfStepError:
-        kind, peer, call, detail = word
+    def _disagreement(self, record: tuple[int, int, int, int]) -> OutOfStepError:
+        kind, peer, call, detail = record
         rank, detail = self.ctx.rank, detail & ((1 << 64) - 1)
         if kind == KIND_TABLES:
             what = (
@@ -421,7 +507,5 @@ class CollectiveTransport(Transport):
         if self.monitor is not None:
             torch.cuda.synchronize(self.ctx.device)
             self.monitor.reset()
-            if self.agree_on_device:
-                self._word.zero_()
-                self._host_word.zero_()
-                torch.cuda.synchronize(self.ctx.device)
+        if self.agreement is not None:  # the device is done with it (synchronized above)
+            self._host_word.zero_()
