@@ -384,6 +384,7 @@ class CollectiveTransport(Transport):
                 shard=True,
                 q_src_stride=v.slot,
                 q_heads_per_src=hpr,
+                cache_key=call.cache_key,
             )
         else:
             cols = partition.owned_columns(rank, w, width)
