@@ -259,8 +259,7 @@ py::dict params_layout() {
   CP_FIELD(PushState, calls); CP_FIELD(PushState, peer_q_slot); CP_FIELD(PushState, peer_q_flag);
   CP_FIELD(PushState, peer_s_flag); CP_FIELD(PushState, q_src); CP_FIELD(PushState, q_bytes);
   CP_FIELD(PushState, peer_q_ident); CP_FIELD(PushState, q_idents); CP_FIELD(ScoreParams, ident);
-  CP_FIELD(PushState, barrier); CP_FIELD(PushState, work);
-  CP_FIELD(ScoreParams, topk); CP_FIELD(ScoreParams, cand_dst);
+  CP_FIELD(PushState, barrier); CP_FIELD(ScoreParams, topk); CP_FIELD(ScoreParams, cand_dst);
   CP_FIELD(ScoreParams, cand); CP_FIELD(ScoreParams, ids_out); CP_FIELD(ScoreParams, scores_out);
   CP_FIELD(PushState, timeout_ticks); CP_FIELD(PushState, peer_q_tag);
   CP_FIELD(PushState, peer_fp); CP_FIELD(PushState, q_tags); CP_FIELD(PushState, fps);

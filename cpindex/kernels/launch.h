@@ -59,7 +59,6 @@ struct PushState {
   uint64_t* peer_q_tag[kMaxWorld];    // &q_tags[my rank] on rank p: my call's tag
   uint64_t* peer_fp[kMaxWorld];       // &fps[my rank] on rank p: my call's agreement hash
   uint32_t* barrier;                  // local, [1]: CTAs past scoring (select mode); reset by the last
-  uint32_t* work;                     // local, [1]: groups dealt to warps this call; reset by the last
   const uint64_t* q_idents;           // local, [world]: identity of each rank's delivered call
   const uint64_t* q_tags;             // local, [world]: tag of each rank's delivered call
   const uint64_t* fps;                // local, [world]: each rank's agreement hash of the call

@@ -223,11 +223,9 @@ class KernelScorer:
     def grid(
         self, requests: int, width: int, push: bool, query_len: int = 1, fmt_id: int | None = None
     ) -> LaunchShape:
-        """The kernel instance and its grid, from static sizes only. Push grids are persistent:
-        all resident at once (every CTA may wait for peers) and deliver queries from CTAs
-        0..world-1. Local grids take a CTA per four items (a warp each), which the hardware deals
-        out to SMs as earlier CTAs finish: a persistent grid's fixed share per warp ends unevenly
-        (warps stream at different rates), leaving SMs idle while the slowest finish."""
+        """The kernel instance and its persistent grid, from static sizes only; push grids must
+        all be resident at once (every CTA may wait for peers) and deliver queries from CTAs
+        0..world-1."""
         fid = self.fmt_id if fmt_id is None else fmt_id
         vectors = query_len * self.num_heads
         items = requests * -(-width // self.world)
@@ -248,10 +246,8 @@ class KernelScorer:
                 break
         if split:
             ctas = -(-items * split // WARPS_PER_CTA)
-        elif push:
-            ctas = min(-(-items // WARPS_PER_CTA), self._cap(fid, vectors, wgmma, 0))
         else:
-            ctas = -(-items // WARPS_PER_CTA)
+            ctas = min(-(-items // WARPS_PER_CTA), self._cap(fid, vectors, wgmma, 0))
         return LaunchShape(max(ctas, self.world if push else 1), wgmma, split)
 
     def _cap(self, fid: int, vectors: int, wgmma: bool, split: int) -> int:

@@ -155,11 +155,7 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   // An earlier call failed and the host raises at its next check. A pushed call stops here so
   // that replays do not wait on peers; a local call has nothing to wait for, and the check's
   // round trip would come before its first key byte.
-  if (push && failed(p)) {  // still counted, so that the call's last CTA zeroes its counters
-    if (threadIdx.x == 0 && atomicAdd(ps.ticket, 1u) == gridDim.x - 1)
-      *ps.ticket = 0u, *ps.barrier = 0u, *ps.work = 0u;
-    return;
-  }
+  if (push && failed(p)) return;
 #pragma unroll
   for (int r = 0; r < kLutLoads; ++r) {
     const int i = threadIdx.x + r * kThreads;
@@ -256,19 +252,7 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
     int cur_req = -1, cur_v0 = -1;
     const int64_t first = W || split ? (int64_t)blockIdx.x * per_cta
                                      : (int64_t)blockIdx.x * kWarpsPerCta + warp;
-    // Push calls' whole-page warps take groups as they ask (a counter in the rank's region that
-    // the call's last CTA zeroes): warps stream at different rates, and a fixed share each left
-    // SMs idle while the slowest finished. A warp asks for its next group as it starts one, so
-    // the round trip hides behind the pages. Local grids get the same from the hardware, a CTA
-    // per four items; the CTA-wide units keep the fixed deal.
-    const bool dealt = push && !W && !split;
-    auto deal = [&]() {
-      uint32_t v = 0;
-      if (lane == 0) v = atomicAdd(ps.work, 1u);
-      return (int64_t)(uint32_t)cp_shfl_int((int)v, 0);
-    };
-    for (int64_t gi0 = dealt ? deal() : first, next; gi0 < groups; gi0 = next) {
-      next = dealt ? deal() : gi0 + units;
+    for (int64_t gi0 = first; gi0 < groups; gi0 += units) {
       // A split CTA's units take groups gi0, gi0 + 1, ...; one past the last group has no items
       // and only meets the CTA's barriers.
       const int64_t gi = per_cta > 1 && split ? gi0 + warp / ks : gi0;
@@ -465,7 +449,6 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   if (is_last && threadIdx.x == 0) {
     *ps.ticket = 0u;
     *ps.barrier = 0u;
-    *ps.work = 0u;
     *ps.calls = call;
   }
 }

@@ -52,7 +52,6 @@ class PushState(C.Structure):
         ("peer_q_tag", C.c_void_p * MAX_WORLD),
         ("peer_fp", C.c_void_p * MAX_WORLD),
         ("barrier", C.c_void_p),
-        ("work", C.c_void_p),
         ("q_idents", C.c_void_p),
         ("q_tags", C.c_void_p),
         ("fps", C.c_void_p),

@@ -9,7 +9,6 @@ Region of rank r (offsets in bytes)::
     0      calls   u64   completed calls (advanced by the kernel)
     8      ticket  u32   CTAs finished in the current call
     16     barrier u32   CTAs past scoring in the current select_blocks call
-    24     work    u32   groups of blocks dealt to warps in the current call
     64     ErrorWord     device copy of this rank's error word
     512    q_flags u64[16]  slot p: last call whose queries rank p delivered here
     1024   s_flags u64[16]  slot p: last call whose scores rank p delivered here
@@ -42,7 +41,7 @@ from ..plan import Plan
 from ..validation import Call
 from .base import Context, Transport
 
-OFF_CALLS, OFF_TICKET, OFF_BARRIER, OFF_WORK, OFF_ERR = 0, 8, 16, 24, 64
+OFF_CALLS, OFF_TICKET, OFF_BARRIER, OFF_ERR = 0, 8, 16, 64
 OFF_QFLAGS, OFF_SFLAGS, OFF_QIDENT, OFF_QTAG, OFF_FPS, OFF_FPACC = 512, 1024, 1536, 1664, 1792, 1920
 FLAG_BYTES = 4096
 
@@ -124,7 +123,6 @@ class PushEngine:
         ps = structs.PushState()
         base = bases[rank]
         ps.calls, ps.ticket, ps.barrier = base + OFF_CALLS, base + OFF_TICKET, base + OFF_BARRIER
-        ps.work = base + OFF_WORK
         ps.q_flags, ps.s_flags = base + OFF_QFLAGS, base + OFF_SFLAGS
         ps.q_idents, ps.q_tags = base + OFF_QIDENT, base + OFF_QTAG
         ps.fps, ps.fp_acc = base + OFF_FPS, base + OFF_FPACC
