@@ -27,13 +27,12 @@ constexpr float kForcedLocal = 1e29f;
 constexpr float kForcedInit = 1e30f;
 constexpr int kMaxSelect = 16;                   // select_blocks' topk the kernel fuses (larger: torch)
 
-// Bytes per warp of the cp.async ring the bf16/fp8 whole-page streams take (tensor-core builds),
+// Tiles per warp of the cp.async ring the bf16/fp8 whole-page streams take (tensor-core builds),
 // in dynamic shared memory. A ring of S tiles keeps S - 1 tiles' copies in flight while one is
-// scored. fp8: 8 KiB, 4 tiles of 2 KiB. bf16: 16 KiB, 4 tiles of 4 KiB; with 8 KiB (2 tiles, the
-// most static shared memory allowed) a bf16 warp had one tile in flight, half of fp8's bytes, and
-// read below a plain streaming read. Split pages need only a warp's part of a page (page.h).
-template <bool kBf16, int NT, bool W>
-constexpr int kRingBytes = kBf16 ? 16384 : 8192;
+// scored: 8 KiB for fp8 (2 KiB tiles), 16 KiB for bf16 (4 KiB tiles). bf16 once had 8 KiB, the
+// most static shared memory allowed, so one tile in flight: a third of fp8's bytes, and slower.
+// Split pages need only a warp's part of a page (page.h).
+constexpr int kRingTiles = 4;
 
 // nvfp4 tiles loaded before their math with one query tile (a whole page on 32-wide warps;
 // divided by the query tiles with more, whose fragments take the registers): enough loads in

@@ -115,12 +115,12 @@ struct PageRef {
 // so that ldmatrix's 8 rows hit 8 different banks.
 template <int F>
 constexpr int kTileBytes = kTileTokens * Fmt<F>::kTokenBytes;
-template <int F, int NT, bool W>
-constexpr int kStages = Fmt<F>::kRing ? kRingBytes<Fmt<F>::kBf16, NT, W> / kTileBytes<F> : 0;
+template <int F>
+constexpr int kStages = Fmt<F>::kRing ? kRingTiles : 0;
 // A warp's ring in instance S (0: whole pages, else the split-page instances, where it holds a
 // warp's part of a page, kSplitTiles tiles, all in flight at once).
-template <int F, int NT, bool W, int S>
-constexpr int kWarpRingBytes = (S ? kSplitTiles : kStages<F, NT, W>) * kTileBytes<F>;
+template <int F, int S>
+constexpr int kWarpRingBytes = (S ? kSplitTiles : kStages<F>) * kTileBytes<F>;
 
 // Tile t of a page into a ring slot: 512 contiguous bytes per instruction.
 template <int F>
@@ -164,7 +164,7 @@ CP_DEVICE void read_tile(uint32_t slot, int lane, uint32_t (&k0)[16], uint32_t (
 template <int F, int NT, bool W, typename PageOf, typename Done>
 CP_DEVICE void score_pages_smem(const ScoreParams& p, int m, PageOf page_of, const Cuts<NT>& cuts,
                                 const QueryFrag<NT, W>& q, int g, int c, uint8_t* ring, Done done) {
-  constexpr int S = kStages<F, NT, W>;
+  constexpr int S = kStages<F>;
   // A page's tiles fill whole turns of the ring, so tile t of any page sits in slot t % S.
   static_assert(S >= 2 && kTilesPerPage % S == 0, "the ring must divide a page");
   const int lane = 4 * g + c;
@@ -210,7 +210,7 @@ template <int F, int NT, bool W, int kTiles>
 CP_DEVICE void score_part_smem(const ScoreParams& p, const PageRef& pr, const Cuts<NT>& cuts,
                                const QueryFrag<NT, W>& q, int g, int c, uint8_t* ring, int t_first,
                                float (&val)[NT][2]) {
-  static_assert(kTiles * kTileBytes<F> <= kWarpRingBytes<F, NT, W, kWarpsPerCta>, "a part fits");
+  static_assert(kTiles <= kSplitTiles, "a split page's part fits the ring");
   const int lane = 4 * g + c;
   const uint32_t ring_addr = cp_smem_addr(ring);
 #pragma unroll

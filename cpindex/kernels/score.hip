@@ -67,10 +67,10 @@ CP_DEVICE void write_score(const ScoreParams& p, const VecOut& o, int j, int k, 
 }
 
 // Dynamic shared memory of an instance: its warps' cp.async rings (none without them).
-template <int F, int NT, bool W, int S>
+template <int F, int S>
 constexpr int kDynSmem =
 #if CP_USE_MMA
-    Fmt<F>::kRing ? kWarpsPerCta * kWarpRingBytes<F, NT, W, S> : 0;
+    Fmt<F>::kRing ? kWarpsPerCta * kWarpRingBytes<F, S> : 0;
 #else
     0;
 #endif
@@ -121,7 +121,7 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
 #endif
 #if CP_USE_MMA
   extern __shared__ __align__(128) uint8_t ring_all[];  // the warps' rings (kDynSmem bytes)
-  uint8_t* ring = ring_all + warp * kWarpRingBytes<F, NT, W, S>;
+  uint8_t* ring = ring_all + warp * kWarpRingBytes<F, S>;
 #endif
   __shared__ uint4 lut[kFp4<F> ? 256 : 1];
   __shared__ uint2 lut8[kFp4<F> && kNvfp4Cvt<NT, W> > 0 ? 256 : 1];
@@ -472,7 +472,7 @@ int query_tiles(int vectors) {
 // device of this process (the limit is a per-device attribute of the function).
 template <int F, int NT, bool W, int S>
 int allow_smem() {
-  constexpr int bytes = kDynSmem<F, NT, W, S>;
+  constexpr int bytes = kDynSmem<F, S>;
   if constexpr (bytes <= 48 * 1024) {
     return 0;
   } else {
@@ -494,7 +494,7 @@ int launch_instance(const ScoreParams& p, const PushState* push, int grid, cp_st
   const int rc = allow_smem<F, NT, W, S>();
   if (rc != 0) return rc;
   const PushState none = {};
-  score_kernel<F, NT, W, S><<<grid, kThreads, kDynSmem<F, NT, W, S>, stream>>>(p, push ? *push : none);
+  score_kernel<F, NT, W, S><<<grid, kThreads, kDynSmem<F, S>, stream>>>(p, push ? *push : none);
   return (int)cp_get_last_error();
 }
 
@@ -533,7 +533,7 @@ template <int F, int NT, bool W, int S>
 int occupancy_instance(int* ctas) {
   const int rc = allow_smem<F, NT, W, S>();
   if (rc != 0) return rc;
-  return (int)cp_occupancy(ctas, score_kernel<F, NT, W, S>, kThreads, kDynSmem<F, NT, W, S>);
+  return (int)cp_occupancy(ctas, score_kernel<F, NT, W, S>, kThreads, kDynSmem<F, S>);
 }
 
 template <int F, int NT, bool W>
