@@ -364,3 +364,49 @@ def test_torch_compile_traces_the_op():
     out = f(prob.q, prob.index_cache, prob.block_table, prob.seq_lens)
     prob.width = 16
     assert_scores(out / 2, expected(prob, 0, 1))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+@pytest.mark.parametrize("t", [1, 4, 8])
+def test_ring_grid_holds_its_bytes_in_flight(fmt, t, monkeypatch):
+    """bf16 and fp8 whole pages of a large call (``launcher.RING_MIN_ITEMS_PER_SM`` items per
+    SM or more) run on a grid sized by bytes in flight per SM (``launcher.RING_BYTES_PER_SM``),
+    fewer CTAs than fit: each warp takes several rounds of a ragged batch. The same scores as
+    the grid of every CTA that fits, and as the reference."""
+    if torch.version.hip is not None:
+        pytest.skip("the ring grid is sized on CUDA builds only")
+    monkeypatch.setattr(launcher, "WGMMA_MIN_ITEMS_PER_SM", 1 << 30)  # the mma.sync instances
+    monkeypatch.setattr(launcher, "SPLIT_WARPS", ())  # whole pages at every size below
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    blocks = 80
+    requests = -(-launcher.RING_MIN_ITEMS_PER_SM * sms // blocks)
+    lengths = torch.randint(1, blocks * 128, (requests,))
+    lengths[0] = blocks * 128
+    prob = testing.make_problem(
+        requests, blocks * 128, fmt, query_len=t, seed=70 + t, lengths=lengths, device="cuda"
+    )
+    dev = torch.device("cuda", torch.cuda.current_device())
+    scorer = launcher.KernelScorer(
+        dev, fmt, num_heads=4, rank=0, world=1, sm_scale=128**-0.5,
+        monitor=launcher.ErrorMonitor(dev, 0),
+    )  # fmt: skip
+    # a CTA keeps 4 warps x 3 tiles in flight: 48 KiB of bf16, 24 KiB of fp8
+    per_sm = launcher.RING_BYTES_PER_SM // (48 * 1024 if fmt == "bf16" else 24 * 1024)
+    ring = launcher.RING_BYTES_PER_SM
+    below = [scorer.grid(r, prob.width, False, t) for r in (prob.requests - 1, 4)]
+    assert scorer.grid(prob.requests, prob.width, False, t).grid == sms * per_sm
+    monkeypatch.setattr(launcher, "RING_BYTES_PER_SM", 0)
+    # one request fewer is below the threshold: the grid of every CTA that fits
+    assert below == [scorer.grid(r, prob.width, False, t) for r in (prob.requests - 1, 4)]
+    assert below[1].grid == prob.width  # 4 requests: a CTA per four items
+    outs = []
+    for ring_bytes in (ring, 0):
+        monkeypatch.setattr(launcher, "RING_BYTES_PER_SM", ring_bytes)
+        out = torch.full((4, prob.rows, prob.width), float("nan"), device="cuda")
+        scorer.score_local(
+            prob.q, prob.index_cache, prob.block_table, prob.seq_lens, out,
+            init_blocks=0, local_blocks=1, width=prob.width, query_len=t,
+        )  # fmt: skip
+        assert_scores(out, expected(prob, 0, 1))
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])

@@ -36,6 +36,18 @@ WGMMA_MIN_ITEMS_PER_SM = 32
 SPLIT_WARPS: tuple[int, ...] = (4, 2)
 WARPS_PER_CTA = 4
 
+# bf16 and fp8 whole pages stream through a per-warp cp.async ring (kernels/config.h kRingTiles
+# tiles of 16 tokens, all but one in flight). HBM is read faster with about this many of those
+# bytes in flight per SM than with the 120-144 KiB of a fully occupied SM (91-92 % of its peak),
+# so these instances' persistent grid holds this many bytes per SM rather than as many CTAs as
+# fit (docs/kernel.md, "Where the time goes"). 0: every CTA that fits. Only calls of at least
+# RING_MIN_ITEMS_PER_SM items per SM: below that, a call that fits one or two rounds of the full
+# grid loses more to extra rounds than it gains (fp8 at 8 x 32K 20-25 % slower). The
+# warpgroup-mma instance and the split pages keep their own grids.
+RING_BYTES_PER_SM = 48 * 1024
+RING_MIN_ITEMS_PER_SM = 32
+RING_TILES = 4  # kRingTiles
+
 
 def nvfp4_lut() -> torch.Tensor:
     """The nvfp4 key-value tables the kernel decodes with, uint8 ``[6144]``. For scale byte
@@ -204,6 +216,11 @@ class KernelScorer:
         self.device = device
         self.fmt_id = structs.FORMAT_IDS[fmt]
         self.elem = 2 if fmt == "bf16" else 1
+        # bytes in flight per CTA of a whole-page ring instance (CUDA tensor-core builds)
+        ring = fmt in ("bf16", "fp8") and not portable and torch.version.hip is None
+        self._ring_cta_bytes = (
+            WARPS_PER_CTA * (RING_TILES - 1) * 16 * formats.HEAD_DIM * self.elem if ring else 0
+        )
         self.num_heads, self.rank, self.world, self.sm_scale = num_heads, rank, world, sm_scale
         self.monitor = monitor
         # score_local's parameter images per shape and output (fresh outputs each call: bounded)
@@ -248,6 +265,14 @@ class KernelScorer:
             ctas = -(-items * split // WARPS_PER_CTA)
         else:
             ctas = min(-(-items // WARPS_PER_CTA), self._cap(fid, vectors, wgmma, 0))
+            if (
+                self._ring_cta_bytes
+                and RING_BYTES_PER_SM
+                and not wgmma
+                and items * self._ranks_per_device >= RING_MIN_ITEMS_PER_SM * self._sms
+            ):
+                per_sm = max(1, RING_BYTES_PER_SM // self._ring_cta_bytes)
+                ctas = min(ctas, max(1, self._sms * per_sm // self._ranks_per_device))
         return LaunchShape(max(ctas, self.world if push else 1), wgmma, split)
 
     def _cap(self, fid: int, vectors: int, wgmma: bool, split: int) -> int:
@@ -334,7 +359,10 @@ class KernelScorer:
         compared with every peer's. ``cache_key``: see :meth:`parts`."""
         kv, ks, fid = self.parts(index_cache, cache_key)
         requests, pushed = block_table.shape[0], push is not None
-        key = (requests, width, pushed, query_len, fid, WGMMA_MIN_ITEMS_PER_SM, SPLIT_WARPS)
+        key = (
+            requests, width, pushed, query_len, fid, WGMMA_MIN_ITEMS_PER_SM, SPLIT_WARPS,
+            RING_BYTES_PER_SM, RING_MIN_ITEMS_PER_SM,
+        )  # fmt: skip
         shape = self._shapes.get(key)
         if shape is None:
             shape = self._shapes.put(key, self.grid(requests, width, pushed, query_len, fid))
