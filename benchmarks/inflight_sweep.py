@@ -1,5 +1,5 @@
 """How many bytes in flight per SM the bf16 and fp8 page streams should keep (docs/kernel.md,
-"Bytes in flight"): full scans timed with the persistent grid sized by each value of
+"Where the time goes"): full scans timed with the persistent grid sized by each value of
 ``launcher.RING_BYTES_PER_SM`` (0: every CTA that fits), the Triton scorer beside bf16.
 
     python benchmarks/inflight_sweep.py [KIB ...]      (default: 0 24 48 96)
