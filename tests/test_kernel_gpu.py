@@ -366,6 +366,37 @@ def test_torch_compile_traces_the_op():
     assert_scores(out / 2, expected(prob, 0, 1))
 
 
+def _many_rounds(fmt: str, t: int, seed: int):
+    """A ragged batch of ``launcher.RING_MIN_ITEMS_PER_SM`` items per SM (80-block requests,
+    many rounds of any persistent grid) and a local scorer for it."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    blocks = 80
+    requests = -(-launcher.RING_MIN_ITEMS_PER_SM * sms // blocks)
+    lengths = torch.randint(1, blocks * 128, (requests,))
+    lengths[0] = blocks * 128
+    prob = testing.make_problem(
+        requests, blocks * 128, fmt, query_len=t, seed=seed, lengths=lengths, device="cuda"
+    )
+    dev = torch.device("cuda", torch.cuda.current_device())
+    scorer = launcher.KernelScorer(
+        dev, fmt, num_heads=4, rank=0, world=1, sm_scale=128**-0.5,
+        monitor=launcher.ErrorMonitor(dev, 0),
+    )  # fmt: skip
+    return prob, scorer, sms
+
+
+def _scored(scorer, prob, init_blocks: int) -> torch.Tensor:
+    """The scorer's local scores of ``prob`` into a poisoned buffer, checked against the
+    reference."""
+    out = torch.full((4, prob.rows, prob.width), float("nan"), device="cuda")
+    scorer.score_local(
+        prob.q, prob.index_cache, prob.block_table, prob.seq_lens, out,
+        init_blocks=init_blocks, local_blocks=1, width=prob.width, query_len=prob.query_len,
+    )  # fmt: skip
+    assert_scores(out, expected(prob, init_blocks, 1))
+    return out
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
 @pytest.mark.parametrize("t", [1, 4, 8])
 def test_ring_grid_holds_its_bytes_in_flight(fmt, t, monkeypatch):
@@ -377,19 +408,7 @@ def test_ring_grid_holds_its_bytes_in_flight(fmt, t, monkeypatch):
         pytest.skip("the ring grid is sized on CUDA builds only")
     monkeypatch.setattr(launcher, "WGMMA_MIN_ITEMS_PER_SM", 1 << 30)  # the mma.sync instances
     monkeypatch.setattr(launcher, "SPLIT_WARPS", ())  # whole pages at every size below
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    blocks = 80
-    requests = -(-launcher.RING_MIN_ITEMS_PER_SM * sms // blocks)
-    lengths = torch.randint(1, blocks * 128, (requests,))
-    lengths[0] = blocks * 128
-    prob = testing.make_problem(
-        requests, blocks * 128, fmt, query_len=t, seed=70 + t, lengths=lengths, device="cuda"
-    )
-    dev = torch.device("cuda", torch.cuda.current_device())
-    scorer = launcher.KernelScorer(
-        dev, fmt, num_heads=4, rank=0, world=1, sm_scale=128**-0.5,
-        monitor=launcher.ErrorMonitor(dev, 0),
-    )  # fmt: skip
+    prob, scorer, sms = _many_rounds(fmt, t, 70 + t)
     # a CTA keeps 4 warps x 3 tiles in flight: 48 KiB of bf16, 24 KiB of fp8
     per_sm = launcher.RING_BYTES_PER_SM // (48 * 1024 if fmt == "bf16" else 24 * 1024)
     ring = launcher.RING_BYTES_PER_SM
@@ -402,11 +421,31 @@ def test_ring_grid_holds_its_bytes_in_flight(fmt, t, monkeypatch):
     outs = []
     for ring_bytes in (ring, 0):
         monkeypatch.setattr(launcher, "RING_BYTES_PER_SM", ring_bytes)
-        out = torch.full((4, prob.rows, prob.width), float("nan"), device="cuda")
-        scorer.score_local(
-            prob.q, prob.index_cache, prob.block_table, prob.seq_lens, out,
-            init_blocks=0, local_blocks=1, width=prob.width, query_len=t,
-        )  # fmt: skip
-        assert_scores(out, expected(prob, 0, 1))
-        outs.append(out)
+        outs.append(_scored(scorer, prob, 0))
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("t", [1, 4])
+def test_bf16_half_pages_at_every_size(t, monkeypatch):
+    """bf16 with one or two query tiles splits pages over two warps past the size whose CTAs
+    fit at once (``launcher.BF16_HALF_PAGES``): the two-warp instance on its whole resident
+    grid, each CTA taking several rounds of a ragged batch. The reference's scores, and those
+    of whole pages."""
+    if torch.version.hip is not None:
+        pytest.skip("bf16 halves at scale are for the ring (CUDA builds)")
+    monkeypatch.setattr(launcher, "WGMMA_MIN_ITEMS_PER_SM", 1 << 30)
+    prob, scorer, sms = _many_rounds("bf16", t, 90 + t)
+    resident = sms * scorer.mod.occupancy(scorer.fmt_id, 4 * t, False, 2)
+    shape = scorer.grid(prob.requests, prob.width, False, t)
+    assert shape == launcher.LaunchShape(resident, False, 2), shape
+    assert prob.requests * prob.width > 2 * resident  # several rounds a CTA
+    small = scorer.grid(1, 8, False, t)  # fits at once: four warps a page, a CTA per item
+    assert small == launcher.LaunchShape(8, False, 4), small
+    outs = []
+    for halves in (True, False):
+        monkeypatch.setattr(launcher, "BF16_HALF_PAGES", halves)
+        assert scorer.grid(prob.requests, prob.width, False, t).split == (2 if halves else 0)
+        outs.append(_scored(scorer, prob, 1))
+    fin = torch.isfinite(outs[1])
+    assert torch.equal(fin, torch.isfinite(outs[0]))
+    torch.testing.assert_close(outs[0][fin], outs[1][fin], rtol=0, atol=1e-5)

@@ -43,10 +43,18 @@ WARPS_PER_CTA = 4
 # fit (docs/kernel.md, "Where the time goes"). 0: every CTA that fits. Only calls of at least
 # RING_MIN_ITEMS_PER_SM items per SM: below that, a call that fits one or two rounds of the full
 # grid loses more to extra rounds than it gains (fp8 at 8 x 32K 20-25 % slower). The
-# warpgroup-mma instance and the split pages keep their own grids.
+# warpgroup-mma instance and the split pages keep their own grids, so bf16 (halves below) meets
+# this only with four query tiles on builds without the warpgroup instance.
 RING_BYTES_PER_SM = 48 * 1024
 RING_MIN_ITEMS_PER_SM = 32
 RING_TILES = 4  # kRingTiles
+
+# bf16 with one or two query tiles (T * H <= 16) on the ring: pages split over two warps at every
+# size, the calls too large to split at once on the two-warp instance's whole resident grid, each
+# CTA taking several rounds. On an H100 that read bf16 pages 0-6 % faster than whole pages on any
+# grid; fp8 and four query tiles ran slower so (docs/kernel.md, "Where the time goes"). Only
+# where SPLIT_WARPS holds 2.
+BF16_HALF_PAGES = True
 
 
 def nvfp4_lut() -> torch.Tensor:
@@ -251,8 +259,9 @@ class KernelScorer:
             has = self._has_wgmma[vectors] = self.mod.has_wgmma(vectors)
         wgmma = has and items * self._ranks_per_device >= WGMMA_MIN_ITEMS_PER_SM * self._sms
         # Split pages where the build has a split-page instance and the call's CTAs all fit its
-        # resident grid at once (4 / split items a CTA); otherwise four warps a CTA, one item
-        # each, on at most the whole-page instance's resident grid.
+        # resident grid at once (4 / split items a CTA), and bf16's halves at every size
+        # (BF16_HALF_PAGES); otherwise four warps a CTA, one item each, on at most the
+        # whole-page instance's resident grid.
         fewest = self._splits.get(fid)
         if fewest is None:
             fewest = self._splits[fid] = self.mod.split_warps(fid)
@@ -261,7 +270,19 @@ class KernelScorer:
             if k >= fewest and -(-items * k // WARPS_PER_CTA) <= self._cap(fid, vectors, False, k):
                 split = k
                 break
-        if split:
+        if (
+            not split
+            and BF16_HALF_PAGES
+            and 2 in SPLIT_WARPS
+            and 0 < fewest <= 2
+            and self.elem == 2
+            and self._ring_cta_bytes
+            and vectors <= 16  # one or two query tiles
+            and not wgmma
+        ):
+            split = 2
+            ctas = min(-(-items * 2 // WARPS_PER_CTA), self._cap(fid, vectors, False, 2))
+        elif split:
             ctas = -(-items * split // WARPS_PER_CTA)
         else:
             ctas = min(-(-items // WARPS_PER_CTA), self._cap(fid, vectors, wgmma, 0))
@@ -361,7 +382,7 @@ class KernelScorer:
         requests, pushed = block_table.shape[0], push is not None
         key = (
             requests, width, pushed, query_len, fid, WGMMA_MIN_ITEMS_PER_SM, SPLIT_WARPS,
-            RING_BYTES_PER_SM, RING_MIN_ITEMS_PER_SM,
+            RING_BYTES_PER_SM, RING_MIN_ITEMS_PER_SM, BF16_HALF_PAGES,
         )  # fmt: skip
         shape = self._shapes.get(key)
         if shape is None:
