@@ -78,7 +78,8 @@ class NoOpBinding:
 
 @contextlib.contextmanager
 def fake_gpu_layer() -> Iterator[None]:
-    """While constructing: the no-op binding, an H200's SM count, plain memory for pinned."""
+    """While constructing: the no-op binding, an H200's name and SM count, plain memory for
+    pinned."""
     saved = (launcher.load, torch.cuda.get_device_properties, torch.zeros, peer.view_bytes)
     zeros = torch.zeros
 
@@ -86,7 +87,8 @@ def fake_gpu_layer() -> Iterator[None]:
         return zeros(*args, **kw)
 
     launcher.load = lambda device=None, portable=False: NoOpBinding()  # type: ignore[assignment]
-    torch.cuda.get_device_properties = lambda d=None: SimpleNamespace(multi_processor_count=132)  # type: ignore[assignment]
+    h200 = SimpleNamespace(multi_processor_count=132, name="NVIDIA H200")
+    torch.cuda.get_device_properties = lambda d=None: h200  # type: ignore[assignment]
     torch.zeros = plain_zeros  # type: ignore[assignment]
     regions: list[torch.Tensor] = []
     peer.view_bytes = lambda ptr, n, dev: next(r for r in regions if r.data_ptr() == ptr)  # type: ignore[assignment]

@@ -2,12 +2,13 @@
 picks and the Triton scorer (docs/kernel.md, "Where the time goes"): full scans (W = 1) and rank
 0's share of W = 4, T = 1, 4 and 8.
 
-    python benchmarks/launch_shapes.py [--formats bf16,fp8] [--json FILE]
+    python benchmarks/launch_shapes.py [--formats bf16,fp8] [--variants ship,s23,...]
+                                       [--query-lens 1,4,8] [--json FILE]
 
 Shapes (``K`` CTAs per SM, never more than fit): ``ship``, the launcher's own choice; ``ringK``,
-a warp per whole page; ``s4K`` and ``s2K``, pages split over four or two warps; with four query
-tiles, ``wgK`` (the warpgroup-mma instance) and ``mmaK`` (``mma.sync``, whole pages). A shape that
-does not apply prints ``-``; an ``s``/``w`` after a time marks split and warpgroup shapes. Each
+a warp per whole page (``mma.sync`` with four query tiles); ``s4K`` and ``s2K``, pages split over
+four or two warps; ``wgK``, the warpgroup-mma instance (sm_90a builds, four query tiles). A shape
+that does not apply prints ``-``; an ``s``/``w`` after a time marks split and warpgroup shapes. Each
 shape's scores are checked against the launcher's own (a mismatch is printed). µs per call:
 median of 15 replays of a CUDA graph of 8 calls over tables rotating through 512 MiB of pages.
 """
@@ -27,8 +28,8 @@ from cpindex.kernels.launcher import ErrorMonitor, KernelScorer, LaunchShape
 SHAPES = [  # world, requests, context (K tokens)
     (1, 32, 32), (1, 8, 128), (1, 32, 128), (4, 8, 32), (4, 32, 32), (4, 8, 128), (4, 32, 128)
 ]  # fmt: skip
-VARIANTS = ["ship", "ring1", "ring2", "ring3", "s41", "s42", "s43", "s21", "s22", "s23",
-            "wg1", "wg2", "mma1", "mma2"]  # fmt: skip
+VARIANTS = ["ship", "ring1", "ring2", "ring3", "s41", "s42", "s43", "s44", "s21", "s22", "s23",
+            "s24", "s25", "wg1", "wg2", "wg4"]  # fmt: skip
 ROTATE_BYTES = 512 << 20
 SM_SCALE = 128**-0.5
 
@@ -45,14 +46,12 @@ def forced(sc: KernelScorer, variant: str, requests: int, width: int, t: int) ->
         most = min(-(-items * max(split, 1) // 4), sc._cap(sc.fmt_id, vec, wgmma, split))
         return LaunchShape(min(most, k * sms), wgmma, split)
 
-    if kind == "ring" and not base.wgmma:
+    if kind == "ring":
         return on(0)
     if kind in ("s4", "s2"):
         return on(int(kind[1]))
-    if kind == "wg" and base.wgmma:
+    if kind == "wg" and sc.mod.has_wgmma(vec):
         return on(0, wgmma=True)
-    if kind == "mma" and base.wgmma:
-        return on(0)
     return None
 
 
@@ -67,17 +66,24 @@ def _grid(self, requests, width, push, query_len=1, fmt_id=None):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--formats", default="bf16,fp8")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="the shapes to time")
+    ap.add_argument("--query-lens", default="1,4,8", help="T values")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
+    variants = args.variants.split(",")
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        ap.error(f"--variants: unknown {unknown}; known: {','.join(VARIANTS)}")
+    query_lens = [int(t) for t in args.query_lens.split(",")]
     KernelScorer.grid = _grid  # the launch takes _choice; its shape cache is reset per shape
     dev = torch.device("cuda", 0)
     copy = copy_bandwidth_gbs(dev)
     print(f"{torch.cuda.get_device_name(dev)}; copy {copy:.0f} GB/s; µs per call:")
-    print("shape".ljust(40) + " ".join(v.rjust(8) for v in VARIANTS) + "   triton")
+    print("shape".ljust(40) + " ".join(v.rjust(8) for v in variants) + "   triton")
     rows = []
     for fmt in args.formats.split(","):
         for world, requests, ck in SHAPES:
-            rows += sweep(fmt, world, requests, ck * 1024, dev)
+            rows += sweep(fmt, world, requests, ck * 1024, dev, variants, query_lens)
             torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
@@ -85,7 +91,10 @@ def main() -> None:
             json.dump({"device": name, "copy_gbs": copy, "rows": rows}, f, indent=1)
 
 
-def sweep(fmt: str, world: int, requests: int, ctx: int, dev: torch.device) -> list[dict]:
+def sweep(
+    fmt: str, world: int, requests: int, ctx: int, dev: torch.device, variants: list[str],
+    query_lens: list[int],
+) -> list[dict]:  # fmt: skip
     from cpindex.bench.triton_baseline import triton_block_scores
 
     blocks = ctx // 128
@@ -101,7 +110,7 @@ def sweep(fmt: str, world: int, requests: int, ctx: int, dev: torch.device) -> l
     tables = tables.view(sets, requests, blocks)
     cols = partition.blocks_owned(blocks, 0, world)
     found = []
-    for t in (1, 4, 8):
+    for t in query_lens:
         q = synthetic_queries(requests * t, 4, fmt, dev)
         out = torch.empty(4, requests * t, cols, device=dev)
 
@@ -114,7 +123,7 @@ def sweep(fmt: str, world: int, requests: int, ctx: int, dev: torch.device) -> l
         row = {"format": fmt, "world": world, "requests": requests, "context": ctx, "T": t,
                "bytes": nbytes, "us": {}}  # fmt: skip
         cells, ref = [], None
-        for v in VARIANTS:
+        for v in variants:
             _choice[0] = None
             shape = _choice[0] = forced(sc, v, requests, blocks, t)
             sc._shapes = type(sc._shapes)()

@@ -226,6 +226,39 @@ def test_split_and_whole_pages_match(fmt, portable, split, t, heads, monkeypatch
     assert_scores(out, expected(prob, 1, 1))
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+@pytest.mark.parametrize("split", [4, 2], ids=["quarters", "halves"])
+@pytest.mark.parametrize("t,heads", [(1, 4), (4, 4), (8, 8)], ids=lambda v: str(v))
+def test_split_pages_stream_over_rounds(fmt, split, t, heads, monkeypatch):
+    """Split pages on a persistent grid of a few CTAs, many rounds each (the launcher takes it
+    for bf16's halves; benchmarks/launch_shapes.py times every split on any grid): a ragged
+    batch with forced and unread items between read ones, one page read by consecutive items
+    and by two requests, and T * H = 64 (two passes over each page), against the reference."""
+    if torch.version.hip is not None:
+        pytest.skip("split pages stream through the ring on CUDA builds only")
+    lengths = torch.tensor([2900, 1025, 129, 2048, 700, 3000, 9, 640])
+    prob = testing.make_problem(
+        8, 3000, fmt, query_len=t, num_heads=heads, seed=50 + t + split, lengths=lengths,
+        device="cuda",
+    )  # fmt: skip
+    prob.block_table[:, 5] = prob.block_table[:, 4]  # consecutive items on one page
+    prob.block_table[2, 1] = prob.block_table[1, 7]  # and across requests
+    shape = launcher.LaunchShape(7, False, split)  # 7 CTAs: rounds of 7 * 4 / split items
+    monkeypatch.setattr(launcher.KernelScorer, "grid", lambda self, *args: shape)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    scorer = launcher.KernelScorer(
+        dev, prob.fmt, num_heads=heads, rank=0, world=1, sm_scale=128**-0.5,
+        monitor=launcher.ErrorMonitor(dev, 0),
+    )  # fmt: skip
+    for init_blocks in (0, 2):
+        out = torch.full((heads, prob.rows, prob.width), float("nan"), device="cuda")
+        scorer.score_local(
+            prob.q, prob.index_cache, prob.block_table, prob.seq_lens, out,
+            init_blocks=init_blocks, local_blocks=1, width=prob.width, query_len=t,
+        )  # fmt: skip
+        assert_scores(out, expected(prob, init_blocks, 1))
+
+
 @pytest.mark.parametrize("heads", [1, 2, 8])
 def test_head_counts(heads):
     prob = testing.make_problem(4, 5000, "fp8", num_heads=heads, seed=heads, device="cuda")
@@ -425,26 +458,52 @@ def test_ring_grid_holds_its_bytes_in_flight(fmt, t, monkeypatch):
     assert torch.equal(outs[0], outs[1])
 
 
-@pytest.mark.parametrize("t", [1, 4])
-def test_bf16_half_pages_at_every_size(t, monkeypatch):
-    """bf16 with one or two query tiles splits pages over two warps past the size whose CTAs
-    fit at once (``launcher.BF16_HALF_PAGES``): the two-warp instance on its whole resident
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+def test_warpgroup_instance_by_gpu(fmt):
+    """From ``launcher.WGMMA_MIN_ITEMS_PER_SM`` items per SM, four query tiles take the
+    warpgroup-mma instance: nvfp4 on every sm_90a GPU, bf16 and fp8 only on the GPUs named in
+    ``launcher.WGMMA_RING_GPUS`` (elsewhere whole pages with ``mma.sync``)."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    if not launcher.load(dev).has_wgmma(32):
+        pytest.skip("no warpgroup-mma instance in this build (sm_90a only)")
+    scorer = launcher.KernelScorer(
+        dev, fmt, num_heads=4, rank=0, world=1, sm_scale=128**-0.5,
+        monitor=launcher.ErrorMonitor(dev, 0),
+    )  # fmt: skip
+    sms, name = (
+        torch.cuda.get_device_properties(dev).multi_processor_count,
+        torch.cuda.get_device_name(dev),
+    )
+    requests = -(-launcher.WGMMA_MIN_ITEMS_PER_SM * sms // 64)  # 64 blocks each: enough items
+    default = any(n in name for n in launcher.WGMMA_RING_GPUS)
+    for gpus, ring_takes_it in [(launcher.WGMMA_RING_GPUS, default), ((name,), True), ((), False)]:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(launcher, "WGMMA_RING_GPUS", gpus)
+            assert scorer.grid(requests, 64, False, 8).wgmma == (ring_takes_it or fmt == "nvfp4")
+            assert not scorer.grid(requests - 1, 8, False, 8).wgmma  # below the threshold
+
+
+@pytest.mark.parametrize("t,split", [(1, 4), (4, 2)])
+def test_bf16_split_pages_at_every_size(t, split, monkeypatch):
+    """bf16 splits pages past the size whose CTAs fit at once (``launcher.BF16_SPLIT_PAGES``):
+    over four warps with one query tile, two with two, that instance on its whole resident
     grid, each CTA taking several rounds of a ragged batch. The reference's scores, and those
     of whole pages."""
     if torch.version.hip is not None:
-        pytest.skip("bf16 halves at scale are for the ring (CUDA builds)")
+        pytest.skip("bf16 split pages at scale are for the ring (CUDA builds)")
     monkeypatch.setattr(launcher, "WGMMA_MIN_ITEMS_PER_SM", 1 << 30)
     prob, scorer, sms = _many_rounds("bf16", t, 90 + t)
-    resident = sms * scorer.mod.occupancy(scorer.fmt_id, 4 * t, False, 2)
+    resident = sms * scorer.mod.occupancy(scorer.fmt_id, 4 * t, False, split)
     shape = scorer.grid(prob.requests, prob.width, False, t)
-    assert shape == launcher.LaunchShape(resident, False, 2), shape
-    assert prob.requests * prob.width > 2 * resident  # several rounds a CTA
+    assert shape == launcher.LaunchShape(resident, False, split), shape
+    assert prob.requests * prob.width > 4 // split * resident  # several rounds a CTA
     small = scorer.grid(1, 8, False, t)  # fits at once: four warps a page, a CTA per item
     assert small == launcher.LaunchShape(8, False, 4), small
     outs = []
-    for halves in (True, False):
-        monkeypatch.setattr(launcher, "BF16_HALF_PAGES", halves)
-        assert scorer.grid(prob.requests, prob.width, False, t).split == (2 if halves else 0)
+    for split_pages in (True, False):
+        monkeypatch.setattr(launcher, "BF16_SPLIT_PAGES", split_pages)
+        got = scorer.grid(prob.requests, prob.width, False, t).split
+        assert got == (split if split_pages else 0)
         outs.append(_scored(scorer, prob, 1))
     fin = torch.isfinite(outs[1])
     assert torch.equal(fin, torch.isfinite(outs[0]))

@@ -28,6 +28,14 @@ PHASES = {structs.ERR_TIMEOUT_QUERIES: "queries", structs.ERR_TIMEOUT_SCORES: "s
 # (docs/BENCHMARKS.md): it runs from this many items (request, block) per SM of a rank's share.
 WGMMA_MIN_ITEMS_PER_SM = 32
 
+# bf16 and fp8 (the cp.async ring formats) take the warpgroup-mma instance only on GPUs whose
+# name holds one of these: on an H100 the mma.sync instance (whole pages, its own registers
+# holding the queries) read them 1-5 % (bf16) and 3-12 % (fp8) faster at every size from
+# WGMMA_MIN_ITEMS_PER_SM, while on the H200, with 1.4x the bandwidth per SM, the warpgroup
+# instance was 8-14 % faster (docs/kernel.md, "Four query tiles on Hopper"). nvfp4, bound by its
+# decode, takes it on every sm_90a GPU.
+WGMMA_RING_GPUS: tuple[str, ...] = ("H200",)
+
 # A call whose items (request, block) of the busiest rank's share all fit the resident grid at
 # once splits each page over several warps of a CTA (score.hip, split pages): a small call has
 # more warps loading and decoding. The warps per page, most first: a call takes the first whose
@@ -43,18 +51,19 @@ WARPS_PER_CTA = 4
 # fit (docs/kernel.md, "Where the time goes"). 0: every CTA that fits. Only calls of at least
 # RING_MIN_ITEMS_PER_SM items per SM: below that, a call that fits one or two rounds of the full
 # grid loses more to extra rounds than it gains (fp8 at 8 x 32K 20-25 % slower). The
-# warpgroup-mma instance and the split pages keep their own grids, so bf16 (halves below) meets
-# this only with four query tiles on builds without the warpgroup instance.
+# warpgroup-mma instance and the split pages keep their own grids, so bf16 (split below) meets
+# this only with four query tiles.
 RING_BYTES_PER_SM = 48 * 1024
 RING_MIN_ITEMS_PER_SM = 32
 RING_TILES = 4  # kRingTiles
 
-# bf16 with one or two query tiles (T * H <= 16) on the ring: pages split over two warps at every
-# size, the calls too large to split at once on the two-warp instance's whole resident grid, each
-# CTA taking several rounds. On an H100 that read bf16 pages 0-6 % faster than whole pages on any
-# grid; fp8 and four query tiles ran slower so (docs/kernel.md, "Where the time goes"). Only
-# where SPLIT_WARPS holds 2.
-BF16_HALF_PAGES = True
+# bf16 with one or two query tiles (T * H <= 16) on the ring splits pages at every size: over
+# four warps with one tile, over two with two; the calls too large to split at once run on that
+# instance's whole resident grid, each CTA taking several rounds. On an H100 whole pages on any
+# grid read bf16 0-2 % slower with one tile and 0-6 % with two; four warps a page with two
+# tiles, fp8 and four query tiles ran slower split (docs/kernel.md, "Where the time goes"). Only
+# where SPLIT_WARPS holds that split.
+BF16_SPLIT_PAGES = True
 
 
 def nvfp4_lut() -> torch.Tensor:
@@ -234,7 +243,8 @@ class KernelScorer:
         # score_local's parameter images per shape and output (fresh outputs each call: bounded)
         self._images: Memo[torch.Tensor] = Memo()
         self._lut = nvfp4_lut().to(device) if fmt == "nvfp4" else None
-        self._sms = torch.cuda.get_device_properties(device).multi_processor_count
+        props = torch.cuda.get_device_properties(device)
+        self._sms, self._gpu = props.multi_processor_count, props.name
         self._ranks_per_device = ranks_per_device
         self._capacity: dict[tuple[int, int, bool, int], int] = {}
         self._has_wgmma: dict[int, bool] = {}  # per T * H: the build has a warpgroup instance
@@ -257,10 +267,14 @@ class KernelScorer:
         has = self._has_wgmma.get(vectors)
         if has is None:
             has = self._has_wgmma[vectors] = self.mod.has_wgmma(vectors)
-        wgmma = has and items * self._ranks_per_device >= WGMMA_MIN_ITEMS_PER_SM * self._sms
+        wgmma = (
+            has
+            and items * self._ranks_per_device >= WGMMA_MIN_ITEMS_PER_SM * self._sms
+            and (not self._ring_cta_bytes or any(n in self._gpu for n in WGMMA_RING_GPUS))
+        )
         # Split pages where the build has a split-page instance and the call's CTAs all fit its
-        # resident grid at once (4 / split items a CTA), and bf16's halves at every size
-        # (BF16_HALF_PAGES); otherwise four warps a CTA, one item each, on at most the
+        # resident grid at once (4 / split items a CTA), and bf16's at every size
+        # (BF16_SPLIT_PAGES); otherwise four warps a CTA, one item each, on at most the
         # whole-page instance's resident grid.
         fewest = self._splits.get(fid)
         if fewest is None:
@@ -270,18 +284,19 @@ class KernelScorer:
             if k >= fewest and -(-items * k // WARPS_PER_CTA) <= self._cap(fid, vectors, False, k):
                 split = k
                 break
+        bf16_split = 4 if vectors <= 8 else 2  # one query tile: quarters; two: halves
         if (
             not split
-            and BF16_HALF_PAGES
-            and 2 in SPLIT_WARPS
-            and 0 < fewest <= 2
+            and BF16_SPLIT_PAGES
+            and bf16_split in SPLIT_WARPS
+            and 0 < fewest <= bf16_split
             and self.elem == 2
             and self._ring_cta_bytes
             and vectors <= 16  # one or two query tiles
             and not wgmma
         ):
-            split = 2
-            ctas = min(-(-items * 2 // WARPS_PER_CTA), self._cap(fid, vectors, False, 2))
+            split = bf16_split
+            ctas = min(-(-items * split // WARPS_PER_CTA), self._cap(fid, vectors, False, split))
         elif split:
             ctas = -(-items * split // WARPS_PER_CTA)
         else:
@@ -381,8 +396,8 @@ class KernelScorer:
         kv, ks, fid = self.parts(index_cache, cache_key)
         requests, pushed = block_table.shape[0], push is not None
         key = (
-            requests, width, pushed, query_len, fid, WGMMA_MIN_ITEMS_PER_SM, SPLIT_WARPS,
-            RING_BYTES_PER_SM, RING_MIN_ITEMS_PER_SM, BF16_HALF_PAGES,
+            requests, width, pushed, query_len, fid, WGMMA_MIN_ITEMS_PER_SM, WGMMA_RING_GPUS,
+            SPLIT_WARPS, RING_BYTES_PER_SM, RING_MIN_ITEMS_PER_SM, BF16_SPLIT_PAGES,
         )  # fmt: skip
         shape = self._shapes.get(key)
         if shape is None:
