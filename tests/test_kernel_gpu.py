@@ -231,7 +231,7 @@ def test_split_and_whole_pages_match(fmt, portable, split, t, heads, monkeypatch
 @pytest.mark.parametrize("t,heads", [(1, 4), (4, 4), (8, 8)], ids=lambda v: str(v))
 def test_split_pages_stream_over_rounds(fmt, split, t, heads, monkeypatch):
     """Split pages on a persistent grid of a few CTAs, many rounds each (the launcher takes it
-    for bf16's halves; benchmarks/launch_shapes.py times every split on any grid): a ragged
+    for bf16 at every size; benchmarks/launch_shapes.py times every split on any grid): a ragged
     batch with forced and unread items between read ones, one page read by consecutive items
     and by two requests, and T * H = 64 (two passes over each page), against the reference."""
     if torch.version.hip is not None:
