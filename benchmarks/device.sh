@@ -26,7 +26,8 @@
 #                          world on GPU 0; 300 s; no plot)
 #   profile FMT REQUESTS CONTEXT [QUERY_LEN [WORLD]]
 #                          Nsight Compute on benchmarks/profile_kernel.py: speed of light,
-#                          occupancy, stall reasons per issued instruction, pipe use (150 s)
+#                          occupancy, stall reasons per issued instruction, pipe use (150 s);
+#                          FMT triton profiles the Triton bf16 scorer on the same problem
 #   probe [VARIANT [WORLD]]  benchmarks/handshake_probe.py under CUDA_MODULE_LOADING=EAGER, then
 #                          LAZY (docs/design.md, the one-process world, rule 3; 30 s each)
 #   wgmma-probe            benchmarks/wgmma_probe.cu (nvcc, sm_90a): the warpgroup mma's operand
@@ -39,7 +40,7 @@
 # The kernel build cache is the library's (CPINDEX_CACHE_DIR, default ~/.cache/cpindex).
 set -uo pipefail
 
-usage() { sed -n '2,39p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,40p' "$0" | sed 's/^# \{0,1\}//'; }
 
 RESULTS=${TMPDIR:-/tmp}/cpindex-device
 WHEELS=
@@ -163,7 +164,7 @@ cmd_profile() {
   [ $# -ge 3 ] || { echo "usage: device.sh profile FMT REQUESTS CONTEXT [QUERY_LEN [WORLD]]" >&2; return 2; }
   local log
   log="$RESULTS/ncu-$(IFS=-; echo "$*").txt"
-  bounded 150 ncu --clock-control none -k regex:score_kernel --launch-skip 3 --launch-count 1 \
+  bounded 150 ncu --clock-control none -k regex:scores?_kernel --launch-skip 3 --launch-count 1 \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     --section SchedulerStats --section MemoryWorkloadAnalysis --section InstructionStats \
     --section ComputeWorkloadAnalysis \

@@ -483,16 +483,16 @@ def test_warpgroup_instance_by_gpu(fmt):
             assert not scorer.grid(requests - 1, 8, False, 8).wgmma  # below the threshold
 
 
-@pytest.mark.parametrize("t,split", [(1, 4), (4, 2)])
-def test_bf16_split_pages_at_every_size(t, split, monkeypatch):
-    """bf16 splits pages past the size whose CTAs fit at once (``launcher.BF16_SPLIT_PAGES``):
-    over four warps with one query tile, two with two, that instance on its whole resident
-    grid, each CTA taking several rounds of a ragged batch. The reference's scores, and those
-    of whole pages."""
+@pytest.mark.parametrize("fmt,t,split", [("bf16", 1, 4), ("bf16", 4, 2), ("fp8", 1, 2)])
+def test_ring_split_pages_at_every_size(fmt, t, split, monkeypatch):
+    """The ring formats split pages past the size whose CTAs fit at once where
+    ``launcher.RING_SPLIT_PAGES`` says so: bf16 over four warps with one query tile and two with
+    two, fp8 over two with one; that instance on its whole resident grid, each CTA taking
+    several rounds of a ragged batch. The reference's scores, and those of whole pages."""
     if torch.version.hip is not None:
-        pytest.skip("bf16 split pages at scale are for the ring (CUDA builds)")
+        pytest.skip("split pages at scale are for the ring (CUDA builds)")
     monkeypatch.setattr(launcher, "WGMMA_MIN_ITEMS_PER_SM", 1 << 30)
-    prob, scorer, sms = _many_rounds("bf16", t, 90 + t)
+    prob, scorer, sms = _many_rounds(fmt, t, 90 + t + split)
     resident = sms * scorer.mod.occupancy(scorer.fmt_id, 4 * t, False, split)
     shape = scorer.grid(prob.requests, prob.width, False, t)
     assert shape == launcher.LaunchShape(resident, False, split), shape
@@ -500,10 +500,10 @@ def test_bf16_split_pages_at_every_size(t, split, monkeypatch):
     small = scorer.grid(1, 8, False, t)  # fits at once: four warps a page, a CTA per item
     assert small == launcher.LaunchShape(8, False, 4), small
     outs = []
-    for split_pages in (True, False):
-        monkeypatch.setattr(launcher, "BF16_SPLIT_PAGES", split_pages)
+    for table in (launcher.RING_SPLIT_PAGES, ()):
+        monkeypatch.setattr(launcher, "RING_SPLIT_PAGES", table)
         got = scorer.grid(prob.requests, prob.width, False, t).split
-        assert got == (split if split_pages else 0)
+        assert got == (split if table else 0)
         outs.append(_scored(scorer, prob, 1))
     fin = torch.isfinite(outs[1])
     assert torch.equal(fin, torch.isfinite(outs[0]))

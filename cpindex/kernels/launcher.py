@@ -51,19 +51,20 @@ WARPS_PER_CTA = 4
 # fit (docs/kernel.md, "Where the time goes"). 0: every CTA that fits. Only calls of at least
 # RING_MIN_ITEMS_PER_SM items per SM: below that, a call that fits one or two rounds of the full
 # grid loses more to extra rounds than it gains (fp8 at 8 x 32K 20-25 % slower). The
-# warpgroup-mma instance and the split pages keep their own grids, so bf16 (split below) meets
-# this only with four query tiles.
+# warpgroup-mma instance and the split pages keep their own grids, so this applies to bf16 with
+# four query tiles and fp8 with two or more (RING_SPLIT_PAGES splits the others).
 RING_BYTES_PER_SM = 48 * 1024
 RING_MIN_ITEMS_PER_SM = 32
 RING_TILES = 4  # kRingTiles
 
-# bf16 with one or two query tiles (T * H <= 16) on the ring splits pages at every size: over
-# four warps with one tile, over two with two; the calls too large to split at once run on that
-# instance's whole resident grid, each CTA taking several rounds. On an H100 whole pages on any
-# grid read bf16 0-2 % slower with one tile and 0-6 % with two; four warps a page with two
-# tiles, fp8 and four query tiles ran slower split (docs/kernel.md, "Where the time goes"). Only
-# where SPLIT_WARPS holds that split.
-BF16_SPLIT_PAGES = True
+# The ring formats split pages at every size with these query tiles (T * H <= 8: one, <= 16:
+# two): (format, tiles, warps a page). Calls too large to split at once run on that split
+# instance's whole resident grid, each CTA taking several rounds. On an H100, against whole pages
+# on any grid: bf16 0-2 % faster in quarters with one tile and 0-6 % in halves with two (four
+# warps a page with two tiles 3-20 % slower); fp8 1-6 % faster in halves with one tile (1-18 %
+# slower with two, and with four query tiles every format). docs/kernel.md, "Where the time
+# goes". Only where SPLIT_WARPS holds that split; () keeps whole pages past the resident grid.
+RING_SPLIT_PAGES: tuple[tuple[str, int, int], ...] = (("bf16", 1, 4), ("bf16", 2, 2), ("fp8", 1, 2))
 
 
 def nvfp4_lut() -> torch.Tensor:
@@ -273,8 +274,8 @@ class KernelScorer:
             and (not self._ring_cta_bytes or any(n in self._gpu for n in WGMMA_RING_GPUS))
         )
         # Split pages where the build has a split-page instance and the call's CTAs all fit its
-        # resident grid at once (4 / split items a CTA), and bf16's at every size
-        # (BF16_SPLIT_PAGES); otherwise four warps a CTA, one item each, on at most the
+        # resident grid at once (4 / split items a CTA), and at every size where
+        # RING_SPLIT_PAGES says so; otherwise four warps a CTA, one item each, on at most the
         # whole-page instance's resident grid.
         fewest = self._splits.get(fid)
         if fewest is None:
@@ -284,18 +285,18 @@ class KernelScorer:
             if k >= fewest and -(-items * k // WARPS_PER_CTA) <= self._cap(fid, vectors, False, k):
                 split = k
                 break
-        bf16_split = 4 if vectors <= 8 else 2  # one query tile: quarters; two: halves
+        tiles = -(-vectors // 8)
+        every = next(
+            (w for f, n, w in RING_SPLIT_PAGES if structs.FORMAT_IDS[f] == fid and n == tiles), 0
+        )
         if (
             not split
-            and BF16_SPLIT_PAGES
-            and bf16_split in SPLIT_WARPS
-            and 0 < fewest <= bf16_split
-            and self.elem == 2
-            and self._ring_cta_bytes
-            and vectors <= 16  # one or two query tiles
             and not wgmma
+            and self._ring_cta_bytes
+            and every in SPLIT_WARPS
+            and 0 < fewest <= every
         ):
-            split = bf16_split
+            split = every
             ctas = min(-(-items * split // WARPS_PER_CTA), self._cap(fid, vectors, False, split))
         elif split:
             ctas = -(-items * split // WARPS_PER_CTA)
@@ -397,7 +398,7 @@ class KernelScorer:
         requests, pushed = block_table.shape[0], push is not None
         key = (
             requests, width, pushed, query_len, fid, WGMMA_MIN_ITEMS_PER_SM, WGMMA_RING_GPUS,
-            SPLIT_WARPS, RING_BYTES_PER_SM, RING_MIN_ITEMS_PER_SM, BF16_SPLIT_PAGES,
+            SPLIT_WARPS, RING_BYTES_PER_SM, RING_MIN_ITEMS_PER_SM, RING_SPLIT_PAGES,
         )  # fmt: skip
         shape = self._shapes.get(key)
         if shape is None:
