@@ -29,7 +29,7 @@ SHAPES = [  # world, requests, context (K tokens)
     (1, 32, 32), (1, 8, 128), (1, 32, 128), (4, 8, 32), (4, 32, 32), (4, 8, 128), (4, 32, 128)
 ]  # fmt: skip
 VARIANTS = ["ship", "ring1", "ring2", "ring3", "s41", "s42", "s43", "s44", "s21", "s22", "s23",
-            "s24", "s25", "wg1", "wg2", "wg4"]  # fmt: skip
+            "s24", "s25", "s45", "wg1", "wg2", "wg4"]  # fmt: skip
 ROTATE_BYTES = 512 << 20
 SM_SCALE = 128**-0.5
 

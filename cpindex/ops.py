@@ -28,14 +28,16 @@ import torch
 from . import formats, reference
 from .api import IndexCP
 from .config import CPIndexConfig
+from .memo import Memo
 from .plan import Plan
 from .validation import Checker
 
 _instances: weakref.WeakValueDictionary[int, IndexCP] = weakref.WeakValueDictionary()
 _plans: weakref.WeakValueDictionary[int, Plan] = weakref.WeakValueDictionary()
 _scorers: dict[tuple, object] = {}
-#: What formats.detect_format answers for a single tensor of these dtypes.
-_FORMATS = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8"}
+#: What formats.detect_format answered for a single tensor of this (dtype, shape): it reads
+#: nothing else, and a page-major nvfp4 cache would otherwise be inspected on every call.
+_FORMATS: Memo[str] = Memo()
 
 
 def _split(index_cache: formats.Cache) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -127,9 +129,9 @@ def _block_scores(
     if len(shape) != 3:
         raise ValueError(f"q: expected [rows, heads, 128], got {list(shape)}")
     rows, heads = shape[0], shape[1]
-    fmt = "nvfp4" if scales is not None else _FORMATS.get(cache.dtype)
-    if fmt is None:  # a page-major nvfp4 cache, or none it can tell (it raises)
-        fmt = formats.detect_format(index_cache)
+    fmt = "nvfp4" if scales is not None else _FORMATS.get((cache.dtype, cache.shape))
+    if fmt is None:  # a new kind of cache, or one it cannot tell (it raises)
+        fmt = _FORMATS.put((cache.dtype, cache.shape), formats.detect_format(index_cache))
     device = q.device
     checker = _op_checker(heads, fmt, max(1, rows), max(1, width), device)
     call = checker.call(

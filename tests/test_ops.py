@@ -121,6 +121,22 @@ def test_eager_block_scores_is_the_op(monkeypatch):
             call()
 
 
+def test_block_scores_format_per_cache_shape():
+    """The format remembered for a cache's dtype and shape never answers for another cache: a
+    uint8 cache of another shape, after a page-major nvfp4 one, is still refused by name."""
+    p = testing.make_problem(2, 700, "nvfp4", seed=5)
+    want = reference.block_scores(
+        p.q, p.index_cache, p.block_table, p.seq_lens, init_blocks=0, local_blocks=1, width=6
+    )
+    for _ in range(2):
+        got = ops.block_scores(p.q, p.index_cache, p.block_table, p.seq_lens, width=6)
+        assert torch.equal(got, want)
+    other = torch.randint(0, 256, (p.index_cache.shape[0], 128, 70), dtype=torch.uint8)
+    for _ in range(2):
+        with pytest.raises(TypeError, match="index_cache: cannot infer cache_format"):
+            ops.block_scores(p.q, other, p.block_table, p.seq_lens, width=6)
+
+
 def test_block_scores_takes_the_op_under_compile_modes_and_grad(monkeypatch):
     p = testing.make_problem(3, 900, "bf16", seed=5)
     want = ops.block_scores(p.q, p.index_cache, p.block_table, p.seq_lens)
