@@ -8,6 +8,7 @@ cpindex does in Python per call, down to the C++ binding, whose ``score`` is rep
     PYTHONPATH=. python benchmarks/host_cpu.py --calls 20000    # steadier medians
     PYTHONPATH=. python benchmarks/host_cpu.py --profile ipc.score_push(plan)   # cProfile one
     PYTHONPATH=/other/checkout python benchmarks/host_cpu.py    # time another checkout
+    PYTHONPATH=. python benchmarks/host_cpu.py --gpu            # collective's own work on a GPU
 
 STUBS, here and nowhere else (never in tests or the library):
 
@@ -27,6 +28,12 @@ STUBS, here and nowhere else (never in tests or the library):
   caller pays.
 * ``torch.ops.cpindex.block_scores``: its CPU scorer (the float64 reference) is replaced by what
   the op does on a GPU: allocate the output and call the stubbed kernel scorer.
+
+``--gpu`` times the ``collective`` rows on GPU 0 instead, with nothing stubbed but the
+communication (as above): the real kernel, the device agreement (``fingerprint`` on) and every
+torch op it launches, so the rows are the path's own host work apart from its communication
+(``bench --host`` times the one-rank world's exchange with it, host barriers included). The
+stream is synchronized between batches of 100 calls, outside the timed region.
 
 The problem: 8 requests x 4 query tokens (T = 4), 4 heads on one rank, 32K tokens of context,
 nvfp4; one rank in the one-process world (nothing to wait for).
@@ -130,12 +137,18 @@ def fake_scorer(heads: int) -> launcher.KernelScorer:
         )  # fmt: skip
 
 
-def as_collective(cp: IndexCP) -> None:
-    """Stub ``cp``'s (collective) communication and give it the stubbed kernel scorer."""
-    comm, t = cp.comm, cp._transport
+def stub_communication(cp: IndexCP) -> None:
+    """``cp``'s header round returns this rank's header; its data collectives do nothing."""
+    comm = cp.comm
     comm.rendezvous = lambda key, payload, timeout_s: [payload]
     comm.all_gather_into = lambda out, inp, timeout_s=None: None
     comm.all_to_all_into = lambda out, inp, timeout_s=None: None
+
+
+def as_collective(cp: IndexCP) -> None:
+    """Stub ``cp``'s (collective) communication and give it the stubbed kernel scorer."""
+    stub_communication(cp)
+    t = cp._transport
     t.scorer = fake_scorer(cp.config.num_heads)
     t.monitor = t.scorer.monitor
 
@@ -159,12 +172,16 @@ def stub_op_reference() -> None:
     ops.reference = SimpleNamespace(block_scores=gpu_body)  # type: ignore[assignment]
 
 
-def time_us(fn: Callable[[], object], calls: int) -> list[float]:
-    """Per-call µs of ``calls`` calls, in batches of 100 (one clock read per batch)."""
+def time_us(
+    fn: Callable[[], object], calls: int, between: Callable[[], object] = lambda: None
+) -> list[float]:
+    """Per-call µs of ``calls`` calls, in batches of 100 (one clock read per batch);
+    ``between`` runs before each batch, untimed."""
     for _ in range(min(calls, 500)):
         fn()
     out = []
     for _ in range(max(1, calls // 100)):
+        between()
         t0 = time.perf_counter()
         for _ in range(100):
             fn()
@@ -172,35 +189,38 @@ def time_us(fn: Callable[[], object], calls: int) -> list[float]:
     return out
 
 
+def configs(width: int, **kw: object) -> CPIndexConfig:
+    return CPIndexConfig(
+        cache_format=FMT, max_rows=REQUESTS * QUERY_LEN, max_query_len=QUERY_LEN,
+        max_width=width, cp_min_blocks=0, **kw,
+    )  # fmt: skip
+
+
+def call_entries(name: str, cp: IndexCP, prob: testing.Problem) -> dict[str, Callable[[], object]]:
+    """``cp``'s four entry points on ``prob``: each call form, with a plan and positional."""
+    q, cache, bt, sl, width = prob.q, prob.index_cache, prob.block_table, prob.seq_lens, prob.width
+    plan = cp.plan(bt, sl, query_len=QUERY_LEN, width=width)
+    return {
+        f"{name}.score_push(plan)": lambda: cp.score_push(q, cache, plan, tag=3),
+        f"{name}.select_blocks(plan)": lambda: cp.select_blocks(q, cache, plan, topk=TOPK, tag=3),
+        f"{name}.score_push": lambda: cp.score_push(
+            q, cache, bt, sl, 0, 1, width, query_len=QUERY_LEN, tag=3
+        ),
+        f"{name}.select_blocks": lambda: cp.select_blocks(
+            q, cache, bt, sl, 0, 1, width, query_len=QUERY_LEN, topk=TOPK, tag=3
+        ),
+    }
+
+
 def entries(comm) -> dict[str, Callable[[], object]]:
     prob = testing.make_problem(REQUESTS, CONTEXT, FMT, query_len=QUERY_LEN, seed=0)
     width = prob.width
-    cfgs = dict(
-        cache_format=FMT, max_rows=REQUESTS * QUERY_LEN, max_query_len=QUERY_LEN,
-        max_width=width, cp_min_blocks=0,
-    )  # fmt: skip
     q, cache, bt, sl = prob.q, prob.index_cache, prob.block_table, prob.seq_lens
-    out: dict[str, Callable[[], object]] = {}
-    ipc = IndexCP(CPIndexConfig(**cfgs), device="cpu", comm=comm)
-    coll = IndexCP(CPIndexConfig(fingerprint=False, **cfgs), device="cpu", comm=comm)
+    ipc = IndexCP(configs(width), device="cpu", comm=comm)
+    coll = IndexCP(configs(width, fingerprint=False), device="cpu", comm=comm)
     as_ipc(ipc)
     as_collective(coll)
-    for name, cp in (("ipc", ipc), ("collective", coll)):
-        plan = cp.plan(bt, sl, query_len=QUERY_LEN, width=width)
-        out |= {
-            f"{name}.score_push(plan)": lambda cp=cp, plan=plan: cp.score_push(
-                q, cache, plan, tag=3
-            ),
-            f"{name}.select_blocks(plan)": lambda cp=cp, plan=plan: cp.select_blocks(
-                q, cache, plan, topk=TOPK, tag=3
-            ),
-            f"{name}.score_push": lambda cp=cp: cp.score_push(
-                q, cache, bt, sl, 0, 1, width, query_len=QUERY_LEN, tag=3
-            ),
-            f"{name}.select_blocks": lambda cp=cp: cp.select_blocks(
-                q, cache, bt, sl, 0, 1, width, query_len=QUERY_LEN, topk=TOPK, tag=3
-            ),
-        }
+    out = call_entries("ipc", ipc, prob) | call_entries("collective", coll, prob)
     op = torch.ops.cpindex.block_scores
     out["torch.ops.cpindex.block_scores"] = lambda: op(
         q, cache, None, bt, sl, 0, 1, width, 128**-0.5, QUERY_LEN
@@ -216,18 +236,33 @@ def entries(comm) -> dict[str, Callable[[], object]]:
     return out
 
 
+def gpu_entries(comm) -> dict[str, Callable[[], object]]:
+    """``--gpu``: the collective rows on GPU 0, only the communication stubbed."""
+    dev = torch.device("cuda", 0)
+    prob = testing.make_problem(REQUESTS, CONTEXT, FMT, query_len=QUERY_LEN, seed=0, device=dev)
+    coll = IndexCP(configs(prob.width, transport="collective"), device=dev, comm=comm)
+    stub_communication(coll)
+    assert coll._transport.agree_on_device
+    return call_entries("collective", coll, prob)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--calls", type=int, default=5000, help="timed calls per entry point")
     ap.add_argument("--profile", metavar="ENTRY", help="cProfile this entry point instead")
     ap.add_argument("--only", nargs="*", help="time only these entry points")
+    ap.add_argument("--gpu", action="store_true", help="the collective rows on GPU 0 (above)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    stub_content_checks()
-    stub_op_reference()
+    between: Callable[[], object] = lambda: None  # noqa: E731
+    if args.gpu:
+        between = torch.cuda.synchronize
+    else:
+        stub_content_checks()
+        stub_op_reference()
 
     def job(comm):
-        fns = entries(comm)
+        fns = gpu_entries(comm) if args.gpu else entries(comm)
         if args.profile:
             fn = fns[args.profile]
             for _ in range(500):
@@ -244,10 +279,10 @@ def main() -> None:
         for name, fn in fns.items():
             if args.only and name not in args.only:
                 continue
-            s = time_us(fn, args.calls)
+            s = time_us(fn, args.calls, between)
             print(f"{name:<32} {statistics.median(s):>10.1f} {min(s):>8.1f}")
 
-    run_threads(1, job, device="cpu")
+    run_threads(1, job, device="cuda:0" if args.gpu else "cpu")
 
 
 if __name__ == "__main__":

@@ -52,8 +52,15 @@ def next_round(comm: Comm, scope: str) -> int:
 
 
 def rendezvous(comm: Comm, key: str, payload: Any, timeout_s: float) -> list[Any]:
-    """JSON round trip over :meth:`Comm.rendezvous` (raises what it raises)."""
-    return [json.loads(p) for p in comm.rendezvous(key, json.dumps(payload), timeout_s)]
+    """JSON round trip over :meth:`Comm.rendezvous` (raises what it raises). Where every rank
+    sent this rank's text, the usual case of a call's header, every entry is ``payload`` itself
+    and nothing is decoded (W decodes were most of a header round's own host time); payloads
+    are JSON-native, so the two are equal."""
+    text = json.dumps(payload)
+    got = comm.rendezvous(key, text, timeout_s)
+    if all(t == text for t in got):
+        return [payload] * len(got)
+    return [json.loads(t) for t in got]
 
 
 def _tensor_digest(t: torch.Tensor) -> str | None:
@@ -185,7 +192,7 @@ def agree_call(
     key = f"call/{next_round(comm, 'call')}"
     headers = exchange(comm, key, header, timeout_s, what=what, call_no=call_no)
     comm.forget(f"call/{comm.counters['call'] - 1}")  # every rank is past the previous round
-    if "refused" in header:
+    if "refused" in header or all(h is header for h in headers):  # the latter: all the same
         return headers
     refused = [(r, h["refused"]) for r, h in enumerate(headers) if "refused" in h]
     if refused:

@@ -495,3 +495,19 @@ def test_dead_peer_is_reported_as_a_lost_connection(tmp_path, who_dies):
     assert lost["type"] == "PeerConnectionError", lost
     assert "lost" in lost["msg"] and "timed out" not in lost["msg"], lost
     assert lost["s"] < 5.0  # as soon as the backend reports it, not after timeout_s
+
+
+def test_rendezvous_returns_every_rank_s_payload():
+    """Equal payloads come back as this rank's own object (nothing decoded); any difference
+    decodes every rank's."""
+
+    def job(comm: Comm) -> tuple[list[Any], list[Any]]:
+        same = {"call": 1, "extra": {"topk": 16}, "queries": None}
+        got_same = lockstep.rendezvous(comm, "t/same", same, 10.0)
+        assert all(g is same for g in got_same)
+        other = {"call": 1, "rank": comm.rank}
+        return got_same, lockstep.rendezvous(comm, "t/other", other, 10.0)
+
+    for same, other in run_threads(3, job):
+        assert same == [{"call": 1, "extra": {"topk": 16}, "queries": None}] * 3
+        assert other == [{"call": 1, "rank": r} for r in range(3)]

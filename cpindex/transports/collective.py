@@ -142,6 +142,7 @@ class _ShareViews(NamedTuple):
     trailers: tuple[torch.Tensor, ...]  # what the device agreement compares (its views)
     q_all: torch.Tensor  # [W, rows, hpr, 128] in the query dtype
     shard: torch.Tensor  # float32 [H, rows, kw]
+    send: torch.Tensor | None  # the shard as the all-to-all sends it (None: replicated heads)
     recv: torch.Tensor  # float32 [W, hpr, rows, kw]
     # (output, received) pairs whose copies interleave ``recv`` into the output: column
     # src + W*k of the output is column k of rank src's shard. One pair when W divides
@@ -243,17 +244,13 @@ class CollectiveTransport(Transport):
         return src.permute(1, 0, 2, 3).reshape(rows, h, d)
 
     def score_push(self, call: Call) -> torch.Tensor:
-        w, hpr = self.ctx.world, self.ctx.heads_per_rank
         rows, width = call.plan.rows, call.plan.width
         v = self._views(rows, width)
         shard = self._score_share(call, v)
-        send = shard if self._send_heads is None else shard.index_select(0, self._send_heads)
-        self._collective(
-            "all-to-all of scores",
-            self.ctx.comm.all_to_all_into,
-            v.recv,
-            send.view(w, hpr, rows, v.kw),
-        )
+        send = v.send
+        if send is None:  # replicated heads: rank d receives head d % H
+            send = shard.index_select(0, self._send_heads).view(v.recv.shape)
+        self._collective("all-to-all of scores", self.ctx.comm.all_to_all_into, v.recv, send)
         agreement = self.agreement
         for dst, src in v.spans:  # the interleave, with the NaN mask where ranks disagree
             if agreement is None:
@@ -316,6 +313,7 @@ class CollectiveTransport(Transport):
             return got
         cfg, w, rank, hpr = self.ctx.config, self.ctx.world, self.ctx.rank, self.ctx.heads_per_rank
         kw = partition.shard_width(width, w)
+        shard = self._shard[: cfg.num_heads * rows * kw].view(cfg.num_heads, rows, kw)
         q_bytes = rows * hpr * cfg.head_dim * self._elem
         slot = q_bytes + (TRAILER if self.agree_on_device else 0)
         gathered = self._q[: w * slot].view(w, slot)
@@ -343,7 +341,8 @@ class CollectiveTransport(Transport):
                 if self.agreement is None
                 else self.agreement.views(gathered[:, q_bytes:].view(torch.int64)),
                 q_all=gathered[:, :q_bytes].view(self.qdtype).view(w, rows, hpr, cfg.head_dim),
-                shard=self._shard[: cfg.num_heads * rows * kw].view(cfg.num_heads, rows, kw),
+                shard=shard,
+                send=shard.view(w, hpr, rows, kw) if self._send_heads is None else None,
                 recv=recv,
                 spans=tuple(spans),
                 low=self._low[:kw],
