@@ -85,7 +85,8 @@ def call_header(
     (``select_blocks``: ``topk``). Contents travel as hashes, for host tensors only: the
     ``seq_lens``, the plan's fingerprint (block-table entries read and lengths), and, with
     ``replica_head`` (the head this rank shares with other ranks when there are more ranks
-    than heads), this rank's queries. Device tensors are compared on the device instead."""
+    than heads), this rank's queries. Device tensors are compared on the device instead.
+    ``call`` comes last, so :class:`HeaderTexts` can append it to a cached prefix."""
     plan = call.plan
     fp = plan.fingerprint
     on_host = fp is not None and fp.device.type == "cpu"
@@ -96,7 +97,6 @@ def call_header(
         "instance": instance,
         "op": op,
         "tag": call.tag,
-        "call": call_no,
         "config": f"{config_digest:016x}",
         "rows": plan.rows,
         "requests": plan.requests,
@@ -108,7 +108,54 @@ def call_header(
         "seq_lens": _tensor_digest(plan.seq_lens),
         "fingerprint": f"{int(fp[0]) & ((1 << 64) - 1):016x}" if on_host else None,
         "queries": queries,
+        "call": call_no,
     }
+
+
+class HeaderTexts:
+    """One instance's call headers as sent: ``json.dumps(call_header(...))``, encoded once per
+    distinct op, tag and sizes and reused with the call number appended, where the header
+    holds no content hash (every tensor on a GPU, the serving case; the text then depends only
+    on the key). Calls with host tensors hash their contents and encode every call."""
+
+    #: Distinct keys kept (about two ops x the sparse layers' tags x a few step sizes).
+    LIMIT = 4096
+
+    __slots__ = ("_prefixes", "config_digest", "instance", "replica_head")
+
+    def __init__(self, instance: int, config_digest: int, replica_head: int | None) -> None:
+        self.instance, self.config_digest = instance, config_digest
+        self.replica_head = replica_head
+        self._prefixes: dict[tuple[Any, ...], str] = {}
+
+    def text(self, op: str, call_no: int, call: Call, topk: int | None) -> str:
+        """The JSON text of ``call``'s header (``topk``: ``select_blocks``' own argument)."""
+        plan = call.plan
+        fp = plan.fingerprint
+        if (
+            plan.seq_lens.device.type == "cpu"
+            or (fp is not None and fp.device.type == "cpu")
+            or (self.replica_head is not None and call.iq.device.type == "cpu")
+        ):
+            return json.dumps(self._header(op, call_no, call, topk))
+        key = (
+            op, call.tag, plan.block_table.shape[0], plan.query_len, plan.width,
+            plan.init_blocks, plan.local_blocks, topk,
+        )  # fmt: skip
+        prefix = self._prefixes.get(key)
+        if prefix is None:
+            if len(self._prefixes) >= self.LIMIT:
+                self._prefixes.clear()
+            text = json.dumps(self._header(op, 0, call, topk))  # ends '"call": 0}'
+            prefix = self._prefixes[key] = text[:-2]
+        return f"{prefix}{call_no}}}"
+
+    def _header(self, op: str, call_no: int, call: Call, topk: int | None) -> dict[str, Any]:
+        extra = {} if topk is None else {"topk": topk}
+        return call_header(
+            op, self.instance, call_no, call, self.config_digest, extra,
+            replica_head=self.replica_head,
+        )  # fmt: skip
 
 
 def refusal_header(op: str, instance: int, call_no: int, error: BaseException) -> dict[str, Any]:
@@ -160,40 +207,50 @@ def _replica_mismatch(headers: list[dict[str, Any]]) -> tuple[int, int, int] | N
 
 
 class CallName:
-    """Names a call in messages, ``call 5 (score_push)``, formatted only when one is raised
-    (an f-string formats it through ``str``)."""
+    """Names a call in messages, ``call 5 (score_push)``, from its header's text, decoded only
+    when one is raised (an f-string formats it through ``str``)."""
 
-    __slots__ = ("header",)
+    __slots__ = ("text",)
 
-    def __init__(self, header: dict[str, Any]) -> None:
-        self.header = header
+    def __init__(self, text: str) -> None:
+        self.text = text
 
     def __str__(self) -> str:
-        return f"call {self.header['call']} ({self.header['op']})"
+        header = json.loads(self.text)
+        return f"call {header['call']} ({header['op']})"
 
     def __format__(self, spec: str) -> str:
         return format(str(self), spec)
 
 
 def agree_call(
-    comm: Comm, header: dict[str, Any], timeout_s: float, *, what: str | CallName | None = None
-) -> list[dict[str, Any]]:
-    """Collective: exchange this call's header (or refusal) and raise unless every rank holds
-    the same call. ``what`` names the call in messages (default: ``call 5 (score_push)``,
-    from the header).
+    comm: Comm,
+    text: str,
+    call_no: int,
+    timeout_s: float,
+    *,
+    what: str | CallName | None = None,
+) -> None:
+    """Collective: exchange this call's header (or refusal), JSON ``text`` of call ``call_no``,
+    and raise unless every rank holds the same call. ``what`` names the call in messages
+    (default: ``call 5 (score_push)``, from the header).
 
     Raises on every rank alike: :class:`OutOfStepError` (a peer refused its call, or holds
     another call), :class:`PeerTimeoutError` (a rank did not come within ``timeout_s``),
-    :class:`PeerConnectionError` (the store or a peer is gone). A refusing rank itself gets
-    the list back and raises its own error."""
-    rank, call_no = comm.rank, header["call"]
+    :class:`PeerConnectionError` (the store or a peer is gone). A refusing rank itself
+    returns and raises its own error."""
+    rank = comm.rank
     if what is None:
-        what = CallName(header)
+        what = CallName(text)
     key = f"call/{next_round(comm, 'call')}"
-    headers = exchange(comm, key, header, timeout_s, what=what, call_no=call_no)
+    texts = exchange(comm, key, text, timeout_s, what=what, call_no=call_no, encoded=True)
     comm.forget(f"call/{comm.counters['call'] - 1}")  # every rank is past the previous round
-    if "refused" in header or all(h is header for h in headers):  # the latter: all the same
-        return headers
+    if all(t == text for t in texts):  # the usual case: nothing decoded
+        return
+    header = json.loads(text)
+    if "refused" in header:
+        return
+    headers = [json.loads(t) for t in texts]
     refused = [(r, h["refused"]) for r, h in enumerate(headers) if "refused" in h]
     if refused:
         who = "; ".join(f"rank {r}: {err}" for r, err in refused)
@@ -241,15 +298,24 @@ def agree_call(
             peer=peer,
             call=call_no,
         )
-    return headers
 
 
 def exchange(
-    comm: Comm, key: str, payload: Any, timeout_s: float, *, what: str | CallName, call_no: int = 0
+    comm: Comm,
+    key: str,
+    payload: Any,
+    timeout_s: float,
+    *,
+    what: str | CallName,
+    call_no: int = 0,
+    encoded: bool = False,
 ) -> list[Any]:
-    """:func:`rendezvous`, with failures raised as cpindex errors naming ``what``."""
+    """:func:`rendezvous`, with failures raised as cpindex errors naming ``what``. With
+    ``encoded``, ``payload`` is JSON text already and the ranks' texts come back undecoded."""
     rank = comm.rank
     try:
+        if encoded:
+            return comm.rendezvous(key, payload, timeout_s)
         return rendezvous(comm, key, payload, timeout_s)
     except CollectiveTimeout as e:
         what = str(what)  # the errors' ``phase`` is a str

@@ -9,6 +9,7 @@ back.
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -122,6 +123,7 @@ class Runner:
         # Fixed for the instance's life, read on every call.
         self._cp_from = gate.threshold
         self._lockstep = transport.host_lockstep
+        self._headers = lockstep.HeaderTexts(instance, self.digest, self.replica_head)
         self._sync = config.error_check == "sync" and device.type == "cuda"
 
     # ---- the gate ---------------------------------------------------------------------------
@@ -276,11 +278,8 @@ class Runner:
                         raise pending
                 return out
             if self._lockstep:
-                header = lockstep.call_header(
-                    op, self.instance, self.calls, call, self.digest,
-                    {"topk": topk} if op == SELECT else {}, replica_head=self.replica_head,
-                )  # fmt: skip
-                lockstep.agree_call(self.comm, header, self.config.timeout_s)
+                header = self._headers.text(op, self.calls, call, topk if op == SELECT else None)
+                lockstep.agree_call(self.comm, header, self.calls, self.config.timeout_s)
             transport = self.transport
             try:
                 out = (
@@ -346,11 +345,12 @@ class Runner:
         self.broken = error
         if not self.transport.host_lockstep:
             return
-        header = lockstep.refusal_header(what, self.instance, self.calls, error)
+        header = json.dumps(lockstep.refusal_header(what, self.instance, self.calls, error))
         try:
             lockstep.agree_call(
-                self.comm, header, self.config.timeout_s, what=f"call {self.calls} ({what})"
-            )
+                self.comm, header, self.calls, self.config.timeout_s,
+                what=f"call {self.calls} ({what})",
+            )  # fmt: skip
         except CPIndexError as e:
             add_note(error, f"telling the other ranks failed too: {type(e).__name__}: {e}")
 

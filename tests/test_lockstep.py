@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import faulthandler
 import functools
+import json
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +34,10 @@ import cpindex
 from cpindex import lockstep, partition, reference, testing
 from cpindex.comm import Comm, TorchComm
 from cpindex.config import CPIndexConfig
+from cpindex.errors import OutOfStepError
+from cpindex.plan import Plan
 from cpindex.spawn import spawn_processes
+from cpindex.validation import Call
 from cpindex.world import run_threads
 
 TIMEOUT = 1.0  # config.timeout_s of the scenarios that wait for a late rank
@@ -511,3 +516,52 @@ def test_rendezvous_returns_every_rank_s_payload():
     for same, other in run_threads(3, job):
         assert same == [{"call": 1, "extra": {"topk": 16}, "queries": None}] * 3
         assert other == [{"call": 1, "rank": r} for r in range(3)]
+
+
+def _meta_call(requests: int, tag: int | None) -> Call:
+    """A validated-looking call whose tensors live off the host (``meta``), as on a GPU."""
+    table = torch.empty(requests, 8, dtype=torch.int32, device="meta")
+    lengths = torch.empty(requests, dtype=torch.int32, device="meta")
+    plan = Plan(table, lengths, query_len=4, init_blocks=1, local_blocks=2, width=8)
+    iq = torch.empty(requests * 4, 4, 64, device="meta")
+    return Call(iq=iq, index_cache=iq, plan=plan, tag=tag)
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_header_texts_are_the_encoded_headers(device: str):
+    """Cached or not, a header's text is ``json.dumps(call_header(...))``: what a rank sends
+    does not depend on whether its tensors live on a GPU."""
+    texts = lockstep.HeaderTexts(instance=2, config_digest=0xABC, replica_head=None)
+    for requests, tag, call_no, topk in [(3, 7, 1, None), (3, 7, 2, 16), (5, None, 3, None)]:
+        call = _meta_call(requests, tag)
+        if device == "cpu":
+            plan = call.plan
+            table = torch.randint(0, 9, plan.block_table.shape, dtype=torch.int32)
+            lengths = torch.randint(1, 9, plan.seq_lens.shape, dtype=torch.int32)
+            call = call._replace(plan=replace(plan, block_table=table, seq_lens=lengths))
+        for _ in range(2):  # the second from the cache
+            got = texts.text("select_blocks", call_no, call, topk)
+            extra = {} if topk is None else {"topk": topk}
+            header = lockstep.call_header("select_blocks", 2, call_no, call, 0xABC, extra)
+            assert got == json.dumps(header)
+
+
+def test_header_round_over_cached_texts_names_the_difference():
+    """Ranks whose headers come from the cache still raise on any difference, naming it."""
+
+    def job(comm: Comm) -> str:
+        texts = lockstep.HeaderTexts(instance=0, config_digest=1, replica_head=None)
+        for call_no in (1, 2):  # equal calls agree
+            lockstep.agree_call(
+                comm, texts.text("score_push", call_no, _meta_call(3, 5), None), call_no, 10.0
+            )
+        call = _meta_call(3, 5 if comm.rank == 0 else 6)
+        with pytest.raises(OutOfStepError) as e:
+            lockstep.agree_call(comm, texts.text("score_push", 3, call, None), 3, 10.0)
+        return str(e.value)
+
+    messages = run_threads(2, job)
+    assert (
+        "call 3 (score_push) is out of step with rank 1: tag 5 here, tag 6 on rank 1" in messages[0]
+    )
+    assert "tag 6 here, tag 5 on rank 0" in messages[1]
