@@ -52,14 +52,9 @@ def next_round(comm: Comm, scope: str) -> int:
 
 
 def rendezvous(comm: Comm, key: str, payload: Any, timeout_s: float) -> list[Any]:
-    """JSON round trip over :meth:`Comm.rendezvous` (raises what it raises). Where every rank
-    sent this rank's text, the usual case of a call's header, every entry is ``payload`` itself
-    and nothing is decoded (W decodes were most of a header round's own host time); payloads
-    are JSON-native, so the two are equal."""
-    text = json.dumps(payload)
-    got = comm.rendezvous(key, text, timeout_s)
-    if all(t == text for t in got):
-        return [payload] * len(got)
+    """JSON round trip over :meth:`Comm.rendezvous` (raises what it raises): every rank's
+    ``payload``, decoded. A call's header round sends its text as is (:func:`agree_call`)."""
+    got = comm.rendezvous(key, json.dumps(payload), timeout_s)
     return [json.loads(t) for t in got]
 
 

@@ -503,13 +503,11 @@ def test_dead_peer_is_reported_as_a_lost_connection(tmp_path, who_dies):
 
 
 def test_rendezvous_returns_every_rank_s_payload():
-    """Equal payloads come back as this rank's own object (nothing decoded); any difference
-    decodes every rank's."""
+    """Every rank's JSON payload comes back decoded, in rank order."""
 
     def job(comm: Comm) -> tuple[list[Any], list[Any]]:
         same = {"call": 1, "extra": {"topk": 16}, "queries": None}
         got_same = lockstep.rendezvous(comm, "t/same", same, 10.0)
-        assert all(g is same for g in got_same)
         other = {"call": 1, "rank": comm.rank}
         return got_same, lockstep.rendezvous(comm, "t/other", other, 10.0)
 
