@@ -52,10 +52,8 @@ def next_round(comm: Comm, scope: str) -> int:
 
 
 def rendezvous(comm: Comm, key: str, payload: Any, timeout_s: float) -> list[Any]:
-    """JSON round trip over :meth:`Comm.rendezvous` (raises what it raises): every rank's
-    ``payload``, decoded. A call's header round sends its text as is (:func:`agree_call`)."""
-    got = comm.rendezvous(key, json.dumps(payload), timeout_s)
-    return [json.loads(t) for t in got]
+    """JSON round trip over :meth:`Comm.rendezvous` (raises what it raises)."""
+    return [json.loads(p) for p in comm.rendezvous(key, json.dumps(payload), timeout_s)]
 
 
 def _tensor_digest(t: torch.Tensor) -> str | None:
