@@ -12,17 +12,18 @@ cpindex does in Python per call, down to the C++ binding, whose ``score`` is rep
 
 STUBS, here and nowhere else (never in tests or the library):
 
-* the compiled module (``cpindex.kernels.launcher.load``) is :class:`NoOpBinding`: ``score`` does
-  nothing; the occupancy queries answer constants. Everything above it runs as on a GPU: the
-  runner, validation, the transport's Python, the parameter images, grid choice, error checks.
+* the compiled module (``cpindex.kernels.launcher.load``) is :class:`NoOpBinding`: ``score`` and
+  ``merge`` do nothing; the occupancy queries answer constants. Everything above it runs as on a
+  GPU: the runner, validation, the transport's Python, the parameter images, grid choice, error
+  checks.
 * ``ipc``: its :class:`~cpindex.transports.peer.PushEngine` is built over a CPU byte buffer in
   place of the peer-mapped region (``view_bytes``), and pinned memory is plain CPU memory.
 * ``collective``: the communication is stubbed (the header round returns this rank's header,
   the all-gather and all-to-all do nothing) and the scorer is the stubbed kernel scorer, so the
   timed work is the path's own (header, views, copies); ``config.fingerprint`` is off (its
-  hash is device work on a GPU, CPU-only host work here). Its copies and, for
-  ``select_blocks``, its top-k run on the CPU's data here: they are compute, not launches, so
-  these rows overstate the host time a GPU caller pays.
+  hash is device work on a GPU, CPU-only host work here). Its ``score_push`` copies run on the
+  CPU's data here: they are compute, not launches, so that row overstates the host time a GPU
+  caller pays (``select_blocks`` at ``topk`` 16 selects in the stubbed kernel).
 * content checks that cpindex makes only for CPU tensors (``validation._check_contents`` and
   ``_check_pages``, which on a GPU the kernel makes) are no-ops, so the CPU times what a GPU
   caller pays.
@@ -68,6 +69,9 @@ class NoOpBinding:
     """Stands in for the compiled kernel module: launches do nothing."""
 
     def score(self, *args: object) -> None:
+        return None
+
+    def merge(self, *args: object) -> None:
         return None
 
     def has_wgmma(self, vectors: int) -> bool:

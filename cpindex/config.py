@@ -37,6 +37,9 @@ MAX_CONFIG_FILE_BYTES = 64 << 10
 
 #: The fused kernel keeps one mma column per head, so one pass scores at most this many heads.
 MAX_KERNEL_HEADS = 8
+#: Largest ``select_blocks`` topk the kernel selects itself (kernels/config.h, kMaxSelect);
+#: larger takes torch ops.
+MAX_FUSED_TOPK = 16
 #: Query tokens of one request the kernel scores in one pass over its pages (T * H <= 64).
 MAX_QUERY_LEN = 8
 #: Most blocks ``select_blocks`` returns per (row, head); MiniMax-M3 selects 16.
@@ -219,8 +222,10 @@ class CPIndexConfig(BaseModel):
           each followed by a 16-byte agreement trailer, a float32 shard ``[num_heads,
           max_rows, ceil(max_width / W)]``, the received shards
           ``[W, heads_per_rank, max_rows, ceil(max_width / W)]``, the output, the received
-          int64 candidates ``[W, heads_per_rank, max_rows, max_topk]``, the shard's block
-          ids' key bits and the agreement's few words (under 64 bytes plus 2 per rank).
+          int64 candidates ``[W, heads_per_rank, max_rows, max_topk]``, the kernel's
+          selection's int64 send buffer ``[W, heads_per_rank, max_rows, min(max_topk, 16)]``,
+          the shard's block ids' key bits and the agreement's few words (under 64 bytes plus
+          2 per rank).
         * ``select_blocks`` results (``selection.Outputs``): int32 ids and float32 scores,
           ``[heads_per_rank, max_rows, max_topk]`` each.
         """
@@ -233,7 +238,8 @@ class CPIndexConfig(BaseModel):
         cand = w * hpr * rows * self.max_topk * 8
         peer = 4096 + w * _align256(q_rank) + _align256(out) + cand
         shards = self.num_heads * rows * kw * 4 + w * hpr * rows * kw * 4
-        collective = w * (q_rank + 16) + shards + out + cand + kw * 8 + 64 + 2 * w
+        send = w * hpr * rows * min(self.max_topk, MAX_FUSED_TOPK) * 8
+        collective = w * (q_rank + 16) + shards + out + cand + send + kw * 8 + 64 + 2 * w
         select = hpr * rows * self.max_topk * 8
         return max(peer, collective) + select
 

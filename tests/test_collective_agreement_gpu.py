@@ -1,9 +1,9 @@
 """The ``collective`` transport's agreement on the device (docs/design.md, "Ranks in step"):
 the plan's fingerprint and replicated heads' query hashes travel with the gathered queries and
-are compared on the GPU, with no host sync. Ranks that disagree get NaN outputs (ids -1) and an
-``OutOfStepError`` from ``check()`` or the next call on every rank (at once with
-``error_check="sync"``); ranks that agree (padding may differ) get the reference. One-process
-world on one GPU. Skipped without a GPU.
+the scoring kernel compares them, with no host sync. Ranks that disagree get NaN outputs (ids
+-1) and an ``OutOfStepError`` naming the call from ``check()`` or the next call on every rank
+(at once with ``error_check="sync"``); ranks that agree (padding may differ) get the reference,
+at every call size. One-process world on one GPU. Skipped without a GPU.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import torch
 from _gpu import assert_scores, expected, for_rank, needs_gpu
 
-from cpindex import BrokenInstanceError, CPIndexConfig, IndexCP, testing
+from cpindex import BrokenInstanceError, CPIndexConfig, IndexCP, reference, testing
 from cpindex.comm import Comm
 from cpindex.world import run_threads
 
@@ -51,7 +51,9 @@ def _outcome(fn) -> str | None:
 def _disagree(comm: Comm, *, heads: int, error_check: str, what: str, op: str) -> dict:
     rank, w = comm.rank, comm.world_size
     p = _prob(heads)
-    with IndexCP(_cfg(heads, error_check=error_check), device=DEV, comm=comm) as cp:
+    topk = int(op.partition(":")[2] or 16)  # past MAX_FUSED_TOPK: the torch selection
+    cfg = _cfg(heads, error_check=error_check, max_topk=max(16, topk))
+    with IndexCP(cfg, device=DEV, comm=comm) as cp:
         iq = p.rank_queries(rank, w)
         table = p.block_table
         if rank == w - 1:
@@ -60,6 +62,9 @@ def _disagree(comm: Comm, *, heads: int, error_check: str, what: str, op: str) -
             else:  # the last rank shares its head with another and passes other queries
                 iq = (iq.float() * 0.5).to(torch.float8_e4m3fn)
         plan = cp.plan(table, p.seq_lens)
+        good_plan = cp.plan(p.block_table, p.seq_lens)
+        for _ in range(2):  # two calls that agree: the third is call 3
+            cp.score_push(p.rank_queries(rank, w), p.index_cache, good_plan)
         res: dict[str, Any] = {}
         if error_check == "sync":
             res["call"] = _outcome(lambda: cp.score_push(iq, p.index_cache, plan, tag=1))
@@ -69,7 +74,9 @@ def _disagree(comm: Comm, *, heads: int, error_check: str, what: str, op: str) -
                 torch.cuda.current_stream().synchronize()
                 res["poisoned"] = bool(out.isnan().all())
             else:
-                ids, scores = cp.select_blocks(iq, p.index_cache, plan, tag=1, return_scores=True)
+                ids, scores = cp.select_blocks(
+                    iq, p.index_cache, plan, topk=topk, tag=1, return_scores=True
+                )
                 torch.cuda.current_stream().synchronize()
                 res["poisoned"] = bool(scores.isnan().all()) and bool((ids == -1).all())
             res["call"] = _outcome(cp.check)
@@ -83,7 +90,12 @@ def _disagree(comm: Comm, *, heads: int, error_check: str, what: str, op: str) -
 
 @pytest.mark.parametrize(
     ("error_check", "op"),
-    [("next_call", "score_push"), ("next_call", "select_blocks"), ("sync", "score_push")],
+    [
+        ("next_call", "score_push"),
+        ("next_call", "select_blocks"),
+        ("next_call", "select_blocks:20"),
+        ("sync", "score_push"),
+    ],
 )
 @pytest.mark.parametrize(("what", "world", "heads"), [("table", 2, 4), ("queries", 4, 2)])
 def test_disagreement_poisons_and_raises_on_every_rank(error_check, op, what, world, heads):
@@ -95,10 +107,12 @@ def test_disagreement_poisons_and_raises_on_every_rank(error_check, op, what, wo
     want = expected(_prob(heads), 0, 1).cpu()
     for rank, r in enumerate(results):
         assert r["call"] is not None and r["call"].startswith("OutOfStepError"), (rank, r)
+        assert "call 3:" in r["call"], r["call"]
         if what == "table":
-            assert "other block-table entries or lengths" in r["call"], r["call"]
-        else:
-            assert "both own head 1 but passed different iq" in r["call"], r["call"]
+            peer = 0 if rank == world - 1 else world - 1
+            assert f"rank {peer} read other block-table entries" in r["call"], r["call"]
+        else:  # ranks 1 and 3 own head 1: rank 3's queries are compared with rank 1's
+            assert "rank 3's queries differ from rank 1's" in r["call"], r["call"]
         if error_check == "next_call":
             assert r["poisoned"], rank
             assert r["next"].startswith(BrokenInstanceError.__name__), r["next"]
@@ -154,3 +168,45 @@ def test_fingerprint_is_computed_on_the_device_without_a_sync():
     graph.replay()
     torch.cuda.synchronize()
     assert int(dev.cpu()[0]) != int(cpu[0])
+
+
+#: (rows, extra width): widths W divides, does not divide, and below W; the views and kernel
+#: images cached for one size must never serve another.
+SIZES = [(3, 0), (5, 3), (3, 1), (8, 0), (2, 0), (5, 3)]
+
+
+def _sizes_prob(heads: int, i: int, rows: int) -> testing.Problem:
+    return testing.make_problem(rows, 128 * (1 + 7 * (i % 3)), "fp8", num_heads=heads, seed=i,
+                                device=DEV)  # fmt: skip
+
+
+def _sizes(comm: Comm, heads: int) -> list[tuple[torch.Tensor, ...]]:
+    rank, w = comm.rank, comm.world_size
+    outs = []
+    with IndexCP(_cfg(heads, max_width=40, cp_min_blocks=0), device=DEV, comm=comm) as cp:
+        assert cp._transport.agree_on_device
+        for i, (rows, extra) in enumerate(SIZES):
+            p = _sizes_prob(heads, i, rows)
+            q = p.rank_queries(rank, w)
+            plan = cp.plan(p.block_table, p.seq_lens, width=p.width + extra)
+            scores = cp.score_push(q, p.index_cache, plan, tag=i).clone()
+            _, vals = cp.select_blocks(q, p.index_cache, plan, topk=4, return_scores=True)
+            torch.cuda.current_stream().synchronize()
+            outs.append((scores.cpu(), vals.cpu()))
+        cp.check()
+    return outs
+
+
+@pytest.mark.parametrize(("world", "heads"), [(1, 4), (2, 4), (4, 4), (4, 2)])
+def test_sizes_change_between_calls(world, heads):
+    results = run_threads(world, lambda comm: _sizes(comm, heads), device=DEV)
+    for i, (rows, extra) in enumerate(SIZES):
+        p = _sizes_prob(heads, i, rows)
+        args = (p.q, p.index_cache, p.block_table, p.seq_lens)
+        kw = dict(init_blocks=0, local_blocks=1, width=p.width + extra, sm_scale=128**-0.5)
+        want = reference.block_scores(*args, **kw).float().cpu()
+        _, want_vals = reference.select_blocks(*args, topk=4, return_scores=True, **kw)
+        for rank, outs in enumerate(results):
+            scores, vals = outs[i]
+            assert_scores(scores, for_rank(want, rank, world))
+            assert_scores(vals, for_rank(want_vals.float().cpu(), rank, world))

@@ -42,12 +42,15 @@ def _cpu(prob: testing.Problem) -> tuple:
     return prob.q.cpu(), cache, prob.block_table.cpu(), prob.seq_lens.cpu()
 
 
-def _problems(fmt: str, t: int, seed: int, lengths: list[list[int]]) -> list[testing.Problem]:
+def _problems(
+    fmt: str, t: int, seed: int, lengths: list[list[int]], heads: int = 4
+) -> list[testing.Problem]:
     out = []
     for i, lens in enumerate(lengths):
         p = testing.make_problem(
-            len(lens), max(lens), fmt, query_len=t, seed=seed + i, lengths=torch.tensor(lens)
-        )
+            len(lens), max(lens), fmt, num_heads=heads, query_len=t, seed=seed + i,
+            lengths=torch.tensor(lens),
+        )  # fmt: skip
         out.append(p.to(DEV))
     # exact ties: every block of the last problem's first request on one page
     out[-1].block_table[0] = out[-1].block_table[0, 0]
@@ -55,14 +58,15 @@ def _problems(fmt: str, t: int, seed: int, lengths: list[list[int]]) -> list[tes
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize(("world", "t"), [(2, 1), (4, 4)])
+@pytest.mark.parametrize(("world", "t", "heads"), [(2, 1, 4), (4, 4, 4), (4, 2, 2)])
 @pytest.mark.parametrize("topk", [16, 64])
-def test_transports_agree_and_match_the_scores_selection(fmt, world, t, topk):
+def test_transports_agree_and_match_the_scores_selection(fmt, world, t, heads, topk):
     """ipc and collective give the same ids and scores; both equal the selection of the same
-    call's ``score_push`` scores, and the reference wherever it has no near-tie."""
+    call's ``score_push`` scores, and the reference wherever it has no near-tie. Heads shared
+    by two ranks (W = 4, H = 2) included."""
     lengths = [[100 * 128, t, 129], [7, 128 * 20, 128 * 90 + 5, 300, 2000, 128 * 16], [4000] * 3]
     lengths = [[max(x, t) for x in ls] for ls in lengths]
-    probs = _problems(fmt, t, 10 * world + t, lengths)
+    probs = _problems(fmt, t, 10 * world + t, lengths, heads)
 
     def job(cp, comm):
         qs = [p.rank_queries(comm.rank, world) for p in probs]
@@ -88,8 +92,8 @@ def test_transports_agree_and_match_the_scores_selection(fmt, world, t, topk):
         comm.barrier()  # no push in flight anywhere: allocations are safe now
         return [tuple(x.cpu() for x in k) for k in keep]
 
-    ipc = _world(world, job, transport="ipc", cache_format=fmt)
-    coll = _world(world, job, transport="collective", cache_format=fmt)
+    ipc = _world(world, job, transport="ipc", cache_format=fmt, num_heads=heads)
+    coll = _world(world, job, transport="collective", cache_format=fmt, num_heads=heads)
     for rank in range(world):
         for p, (ids, vals, full), (c_ids, c_vals, _) in zip(
             probs, ipc[rank], coll[rank], strict=True

@@ -102,14 +102,59 @@ CP_DEVICE bool hashes_agree(const ScoreParams& p, const PushState& ps, uint64_t 
 }
 
 // A call whose ranks disagreed: its outputs hold NaN scores (and -1 ids), never a mix of ranks'
-// data. Every waiting CTA that saw it writes the same values.
-CP_DEVICE void poison_outputs(const ScoreParams& p) {
+// data. Elements first, first + stride, ...: a pushed call's waiting CTAs each write all of them
+// (the same values); a local call's grid shares them.
+CP_DEVICE void poison_outputs(const ScoreParams& p, int64_t first, int64_t stride) {
   const float nan = __int_as_float(0x7fc00000);
   float* scores = p.topk > 0 ? p.scores_out : p.poison;
-  for (int64_t e = threadIdx.x; e < p.poison_count; e += kThreads) {
+  for (int64_t e = first; e < p.poison_count; e += stride) {
     scores[e] = nan;
     if (p.topk > 0) p.ids_out[e] = -1;
   }
+}
+
+// ---- the collective transport's agreement (score.hip's after_local_kernel, after a local call's
+// scoring, with p.trailer > 0) ----------------------------------------------------------------
+// Each rank's slot of the gathered queries (p.q + r * p.q_src_stride) ends in a trailer at
+// p.trailer bytes: int64 [the plan's fingerprint, the hash of the rank's queries (replicated
+// heads only)], stamped by the host before the all-gather. Every CTA compares them all (2 *
+// world words, from L2), so every CTA of every rank reaches the same verdict: two ranks that
+// differ cannot both equal this rank.
+CP_DEVICE uint64_t trailer_word(const ScoreParams& p, int r, int kind) {
+  return reinterpret_cast<const uint64_t*>(p.q + (int64_t)r * p.q_src_stride + p.trailer)[kind];
+}
+
+// Whether the ranks agree: fingerprints against this rank's, then (more ranks than heads) each
+// rank's query hash against its head's first owner, rank r % num_heads; the first difference in
+// that order is recorded (tables explain best). CTA 0 alone counts the call and publishes the
+// verdict in p.local_state = [calls, verdict], which select_blocks' merge masks with.
+CP_DEVICE bool trailers_agree(const ScoreParams& p) {
+  constexpr int kNone = 0x7fffffff;
+  __shared__ int first;  // kind * world + rank of the first difference
+  if (threadIdx.x == 0) first = kNone;
+  __syncthreads();
+  const int t = threadIdx.x, kinds = p.world > p.num_heads ? 2 : 1;
+  if (t < kinds * p.world) {
+    const int kind = t / p.world, r = t - kind * p.world;
+    if (trailer_word(p, r, kind) != trailer_word(p, kind ? r % p.num_heads : p.rank, kind))
+      atomicMin(&first, t);
+  }
+  __syncthreads();
+  const int f = first;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    const uint64_t call = p.local_state[0] + 1;
+    p.local_state[0] = call;
+    p.local_state[1] = f != kNone;
+    if (f != kNone) {
+      const int kind = f / p.world, r = f - kind * p.world;
+      if (kind == 0)
+        report(p, kErrAgreement, (uint32_t)r, call, trailer_word(p, r, 0),
+               trailer_word(p, p.rank, 0));
+      else
+        report(p, kErrReplica, (uint32_t)r, call, (uint64_t)(r % p.num_heads));
+    }
+  }
+  return f == kNone;
 }
 
 }  // namespace

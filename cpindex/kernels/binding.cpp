@@ -81,6 +81,21 @@ void score(const torch::Tensor& q, const torch::Tensor& kv, const c10::optional<
               cudaGetErrorString(static_cast<cudaError_t>(rc)));
 }
 
+// The collective transport's merge (launch.h, launch_merge): the image of the local select call
+// whose candidates the all-to-all delivered, launched on the current stream of `device`.
+void merge(const torch::Tensor& params_image, int64_t device) {
+  TORCH_CHECK(params_image.numel() == (int64_t)sizeof(ScoreParams), "ScoreParams image size");
+  ScoreParams p;
+  std::memcpy(&p, params_image.data_ptr(), sizeof p);
+  TORCH_CHECK(p.topk > 0 && p.cand != nullptr, "merge: the image of a select call");
+  const c10::cuda::CUDAGuard guard((c10::DeviceIndex)device);
+  void* stream = at::cuda::getCurrentCUDAStream().stream();
+  py::gil_scoped_release no_gil;  // as in score
+  const int rc = cpindex::launch_merge(p, stream);
+  TORCH_CHECK(rc == 0, "cpindex merge kernel launch failed: ",
+              cudaGetErrorString(static_cast<cudaError_t>(rc)));
+}
+
 // The fused key writer (launch.h, WriteParams): keys [tokens, 128] float32/bfloat16/float16 with
 // contiguous rows, slots int64 [tokens], kv the bf16/fp8 cache [pages, 128, 128] or the nvfp4
 // values view [pages, 128, 64] with ks its scales view [pages, 128, 8] (uint8 or e4m3), format 0
@@ -265,6 +280,7 @@ py::dict params_layout() {
   CP_FIELD(PushState, peer_fp); CP_FIELD(PushState, q_tags); CP_FIELD(PushState, fps);
   CP_FIELD(PushState, fp_acc); CP_FIELD(ScoreParams, tag); CP_FIELD(ScoreParams, agree);
   CP_FIELD(ScoreParams, poison_count); CP_FIELD(ScoreParams, poison);
+  CP_FIELD(ScoreParams, trailer); CP_FIELD(ScoreParams, local_state);
 #undef CP_FIELD
   d["sizeof.ScoreParams"] = (int64_t)sizeof(ScoreParams);
   d["sizeof.PushState"] = (int64_t)sizeof(PushState);
@@ -289,6 +305,7 @@ void stream_destroy(int64_t s) { CP_CHECK_RT(cudaStreamDestroy(reinterpret_cast<
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "cpindex fused block-scoring kernel (see cpindex/kernels/launch.h)";
   m.def("score", &score);
+  m.def("merge", &merge);
   m.def("write_keys", &write_keys);
   m.def("occupancy", &occupancy);
   m.def("has_wgmma", &has_wgmma);

@@ -106,12 +106,15 @@ struct ScoreParams {
   uint64_t tag;         // push mode: the caller's tag (patched per call; 2**63: none)
   int agree;            // push mode: hash the block-table entries and lengths the call reads
                         // (and compare replicas' queries); every rank must hold the same
-  int64_t poison_count; // push mode: elements of this rank's outputs a failed agreement poisons
-  float* poison;        // score_push: this rank's [heads_per_rank, rows, width] scores (NaN)
-  // select mode (push, topk > 0): dst is this rank's shard ([heads][rows][kw], shard_columns);
+  int64_t poison_count; // elements of this rank's outputs a failed agreement poisons
+  float* poison;        // score_push: this rank's [heads_per_rank, rows, width] scores (NaN);
+                        // local mode with trailer: the shard
+  // select mode (topk > 0): dst is this rank's shard ([heads][rows][kw], shard_columns);
   // its top-k candidates per (row, head h) go to cand_dst[h * cand_copies + c], the owners'
   // [rows][topk] int64 blocks for this rank; each owner merges its own
   // cand[world][heads_per_rank][rows][topk] into ids_out/scores_out [heads_per_rank][rows][topk].
+  // Push mode does it all in one launch; local mode (collective) writes the candidates into its
+  // all-to-all's send buffer, and launch_merge merges what the all-to-all delivered.
   int topk;
   int heads_per_rank;
   int cand_copies;
@@ -121,6 +124,11 @@ struct ScoreParams {
   float* scores_out;
   ErrorWord* err;       // device memory: checked by every CTA at start
   ErrorWord* err_host;  // host-mapped mirror the host polls without a sync (may be null)
+  // local mode, the collective transport's agreement (agree.h; a kernel launched after the
+  // scoring): > 0, the byte offset of the trailers in each source's slot of the gathered
+  // queries; 0: none
+  int64_t trailer;
+  uint64_t* local_state;  // with trailer: device [calls, verdict], written by the first CTA
 };
 
 // The key writer's arguments: `tokens` keys, row i at keys + i * key_row_stride bytes (128
@@ -154,7 +162,8 @@ struct WriteParams {
 // rounded divisions. Returns 0 or a cudaError_t/hipError_t value (-1: bad format or key dtype).
 int launch_write_keys(const WriteParams& w, void* stream);
 
-// Launches one scoring call. push == nullptr: local mode (scores into dst, no handshake).
+// Launches one scoring call. push == nullptr: local mode (scores into dst, no handshake; with
+// p.trailer > 0 or p.topk > 0 the collective transport's agreement and shard selection follow).
 // Otherwise push mode: deliver queries and the call identity, wait for peers' (and compare
 // identities), score, push, signal, wait.
 // Returns 0 or a cudaError_t/hipError_t value.
@@ -163,6 +172,11 @@ int launch_write_keys(const WriteParams& w, void* stream);
 // page, where the build has it for the format (score_split_warps).
 int launch_score(const ScoreParams& p, const PushState* push, int format, bool wgmma, int split,
                  int grid, void* stream);
+
+// The collective transport's merge, after its all-to-all of a local select call's candidates:
+// p.cand [world][heads_per_rank][rows][topk] into ids_out/scores_out (NaN and -1 where that
+// call's ranks disagreed). Returns 0 or a cudaError_t/hipError_t value.
+int launch_merge(const ScoreParams& p, void* stream);
 
 // CTAs per SM the instance launch_score runs for `vectors` = query_len * num_heads query vectors
 // and the same wgmma and split reaches (for the persistent-grid cap).

@@ -206,6 +206,21 @@ def _tag(word: int) -> str:
     return "no tag" if word == structs.NO_TAG else f"tag {word}"
 
 
+class SelectTargets(NamedTuple):
+    """Where a select call's candidates and results go (ScoreParams' select fields): the
+    shard's top ``topk`` per (row, head h) to ``cand_dst[h * cand_copies + c]`` (``[rows,
+    topk]`` int64 keys each); the merge reads ``cand`` (``[W, heads_per_rank, rows, topk]``)
+    into ``ids_out`` and ``scores_out`` (``[heads_per_rank, rows, topk]``). Addresses."""
+
+    topk: int
+    heads_per_rank: int
+    cand_copies: int
+    cand_dst: tuple[int, ...]
+    cand: int
+    ids_out: int
+    scores_out: int
+
+
 class LaunchShape(NamedTuple):
     """Which kernel instance a call runs and on how many CTAs."""
 
@@ -341,7 +356,8 @@ class KernelScorer:
         ident: int = 0,
         agree: bool = False,
         poison: tuple[int, int] = (0, 0),
-        select: dict | None = None,
+        trailer: tuple[int, int] = (0, 0),
+        select: SelectTargets | None = None,
     ) -> torch.Tensor:
         """A ScoreParams image (pointers to keys, table and lengths are patched per call)."""
         p = structs.ScoreParams()
@@ -369,12 +385,16 @@ class KernelScorer:
         # ids and scores, poison's address unused)
         p.agree = int(agree)
         p.poison, p.poison_count = poison
-        if select is not None:  # select_blocks' fused candidate exchange (push mode)
-            p.topk, p.heads_per_rank = select["topk"], select["heads_per_rank"]
-            p.cand_copies, p.cand = select["cand_copies"], select["cand"]
-            for i, ptr in enumerate(select["cand_dst"]):
+        # local calls of the collective transport: (the trailers' offset in each source's
+        # slot, its [calls, verdict] state); a kernel after the scoring compares the ranks'
+        # trailers and on a mismatch overwrites ``poison`` (the shard) with NaN
+        p.trailer, p.local_state = trailer
+        if select is not None:  # select_blocks' fused selection
+            p.topk, p.heads_per_rank = select.topk, select.heads_per_rank
+            p.cand_copies, p.cand = select.cand_copies, select.cand
+            for i, ptr in enumerate(select.cand_dst):
                 p.cand_dst[i] = ptr
-            p.ids_out, p.scores_out = select["ids_out"], select["scores_out"]
+            p.ids_out, p.scores_out = select.ids_out, select.scores_out
         p.err, p.err_host = self.monitor.device_ptr, self.monitor.host_device_ptr
         return structs.image(p)
 
@@ -453,19 +473,26 @@ class KernelScorer:
         shard: bool = False,
         q_src_stride: int | None = None,
         q_heads_per_src: int | None = None,
+        trailer: tuple[int, int] = (0, 0),
+        select: SelectTargets | None = None,
         cache_key: tuple | None = None,
-    ) -> None:
+    ) -> torch.Tensor:
         """Local mode: this rank's columns for all heads into ``out``, ``[H, rows, width]`` (or
         ``[H, rows, ceil(width / world)]`` with ``shard=True``), ``rows = requests *
         query_len``. ``q`` is ``[.., rows, hps, 128]``; by default one source holding all heads
-        (``[rows, H, 128]``). ``cache_key``: see :meth:`parts`."""
+        (``[rows, H, 128]``). ``trailer`` (the collective transport's agreement): the byte
+        offset of the trailers in each source's slot and the address of the int64 ``[calls,
+        verdict]`` state; where they disagree ``out`` is all NaN. ``select`` (with
+        ``shard=True``): the shard's top ``topk`` per (row, head) go to ``cand_dst`` as keys,
+        for :meth:`merge` after they are exchanged. ``cache_key``: see :meth:`parts`. Returns
+        the call's parameter image (:meth:`merge` takes it)."""
         requests = block_table.shape[0]
         rows = requests * query_len
         hps = q_heads_per_src or self.num_heads
         cols = out.shape[-1]
         key = (
             requests, query_len, width, init_blocks, local_blocks, shard, out.data_ptr(), cols,
-            q_src_stride, hps,
+            q_src_stride, hps, trailer, select,
         )  # fmt: skip
         img = self._images.get(key)
         if img is None:
@@ -482,9 +509,22 @@ class KernelScorer:
                 dst_copies=1,
                 shard_columns=shard,
                 out_row_stride=cols,
+                poison=(0, select.heads_per_rank * rows * select.topk)
+                if select is not None
+                else (out.data_ptr(), self.num_heads * rows * cols)
+                if trailer[0]
+                else (0, 0),
+                trailer=trailer,
+                select=select,
             )
             self._images.put(key, img)
         self.launch(
             q, index_cache, block_table, seq_lens, img, width=width, query_len=query_len,
             cache_key=cache_key,
         )  # fmt: skip
+        return img
+
+    def merge(self, params: torch.Tensor) -> None:
+        """The merge of a local select call (:meth:`score_local`'s image) once its candidates
+        are in ``cand``: ids and scores, NaN and -1 where that call's ranks disagreed."""
+        self.mod.merge(params, self.device.index)

@@ -444,13 +444,45 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
     poisoned = p.agree && (!agreed || code == kErrAgreement || code == kErrReplica);
   }
   __syncthreads();
-  if (poisoned) poison_outputs(p);
+  if (poisoned) poison_outputs(p, threadIdx.x, kThreads);
   else if (merger && !cta_failed && !handshake_failed(p)) merge_candidates(p);
   if (is_last && threadIdx.x == 0) {
     *ps.ticket = 0u;
     *ps.barrier = 0u;
     *ps.calls = call;
   }
+}
+
+// The collective transport's work around its all-to-all (transports/collective.py), kernels of
+// their own so that the scoring instances keep their tuned register allocation.
+// after_local_kernel runs right after a local call's scoring (launch_score, when p.trailer > 0 or
+// p.topk > 0): the agreement (agree.h) and, for select_blocks, the shard's top k per (row, head)
+// as keys into the all-to-all's send buffer (select_local, cand_dst). Where the ranks disagree,
+// score_push's shard is overwritten with NaN; select_blocks sends nothing new, and its merge
+// (merge_kernel, launch_merge, after the all-to-all) writes NaN scores and -1 ids instead.
+constexpr int kAgreeCtas = 16;  // the agreement alone: a few words, and a poisoning to share
+constexpr int kMaxWarpGrid = 4096;
+
+// CTAs for `items` warp items (select_local, merge_candidates loop over the grid).
+int warp_grid(int64_t items) {
+  const int64_t ctas = (items + kWarpsPerCta - 1) / kWarpsPerCta;
+  return ctas < 1 ? 1 : ctas > kMaxWarpGrid ? kMaxWarpGrid : (int)ctas;
+}
+
+__global__ void __launch_bounds__(kThreads) after_local_kernel(const ScoreParams p) {
+  const bool agreed = p.trailer <= 0 || trailers_agree(p);
+  if (p.topk > 0) {
+    if (agreed) select_local(p);
+  } else if (!agreed) {
+    poison_outputs(p, (int64_t)blockIdx.x * kThreads + threadIdx.x, (int64_t)gridDim.x * kThreads);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) merge_kernel(const ScoreParams p) {
+  if (p.trailer > 0 && p.local_state[1] != 0)  // this call's verdict (after_local_kernel)
+    poison_outputs(p, (int64_t)blockIdx.x * kThreads + threadIdx.x, (int64_t)gridDim.x * kThreads);
+  else
+    merge_candidates(p);
 }
 
 // Query n-tiles per pass for `vectors` = T * H query vectors: registers hold every tile's query
@@ -566,13 +598,25 @@ int occupancy_format(int vectors, bool wgmma, int split, int* ctas) {
 
 int launch_score(const ScoreParams& p, const PushState* push, int format, bool wgmma, int split,
                  int grid, void* stream) {
+  int rc;
   switch (format) {
-    case kBF16: return launch_format<kBF16>(p, push, wgmma, split, grid, stream);
-    case kFP8: return launch_format<kFP8>(p, push, wgmma, split, grid, stream);
-    case kNVFP4: return launch_format<kNVFP4>(p, push, wgmma, split, grid, stream);
-    case kNVFP4Narrow: return launch_format<kNVFP4Narrow>(p, push, wgmma, split, grid, stream);
+    case kBF16: rc = launch_format<kBF16>(p, push, wgmma, split, grid, stream); break;
+    case kFP8: rc = launch_format<kFP8>(p, push, wgmma, split, grid, stream); break;
+    case kNVFP4: rc = launch_format<kNVFP4>(p, push, wgmma, split, grid, stream); break;
+    case kNVFP4Narrow: rc = launch_format<kNVFP4Narrow>(p, push, wgmma, split, grid, stream); break;
     default: return -1;
   }
+  if (rc != 0 || push != nullptr || (p.trailer <= 0 && p.topk <= 0)) return rc;
+  const int ctas = p.topk > 0 ? warp_grid((int64_t)p.requests * p.query_len * p.num_heads)
+                              : kAgreeCtas;
+  after_local_kernel<<<ctas, kThreads, 0, (cp_stream_t)stream>>>(p);
+  return (int)cp_get_last_error();
+}
+
+int launch_merge(const ScoreParams& p, void* stream) {
+  const int64_t items = (int64_t)p.requests * p.query_len * p.heads_per_rank;
+  merge_kernel<<<warp_grid(items), kThreads, 0, (cp_stream_t)stream>>>(p);
+  return (int)cp_get_last_error();
 }
 
 int score_occupancy(int format, int vectors, bool wgmma, int split, int* ctas_per_sm) {

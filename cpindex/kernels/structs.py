@@ -10,11 +10,11 @@ import ctypes as C
 
 import torch
 
+from ..config import MAX_FUSED_TOPK  # noqa: F401 (the kernel's bound, re-exported)
+
 MAX_HEADS = 8
 MAX_WORLD = 16
 MAX_DST = 16
-#: Largest select_blocks topk the kernel fuses (scoring, local top-k, candidate push, merge).
-MAX_FUSED_TOPK = 16
 FORMAT_IDS = {"bf16": 0, "fp8": 1, "nvfp4": 2}
 #: The kernel for nvfp4 values whose tokens are only 8-byte aligned (vLLM's 72-byte tokens).
 NVFP4_NARROW = 3
@@ -107,6 +107,8 @@ class ScoreParams(C.Structure):
         ("scores_out", C.c_void_p),
         ("err", C.c_void_p),
         ("err_host", C.c_void_p),
+        ("trailer", C.c_int64),
+        ("local_state", C.c_void_p),
     ]
 
 

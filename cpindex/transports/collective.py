@@ -8,89 +8,72 @@
 
 ``select_blocks`` exchanges candidates instead of scores: after step 2, each rank keeps the top
 ``topk`` of its share per (head, row) as packed (score, block id) keys, the all-to-all carries
-only those, and each head's owner merges ``W * topk`` of them (docs/contract.md §6).
+only those, and each head's owner merges ``W * topk`` of them (docs/contract.md §6). On a GPU
+up to ``topk`` 16 both are kernels: a small kernel that step 2's launch runs after the scoring
+writes the shard's keys into the all-to-all's send buffer, and a merge kernel follows it.
 
 Agreement (docs/design.md, "Ranks in step"): on the CPU, ``IndexCP`` compares each call's
 header, with the plan's fingerprint and replicated heads' query hashes, before step 1. On a GPU
 a host comparison would cost a sync, so step 1 carries them instead: each rank's slot of the
 gathered buffer is its query rows followed by 16 bytes (the plan's fingerprint and, where ranks
-share a head, the hash of its queries), every rank compares all slots on the device
-(:class:`DeviceAgreement`), and on a mismatch writes NaN over the call's outputs and records
-the first disagreement in a word of pinned host memory the device writes (as the kernel's
-error word), raised as ``OutOfStepError`` by the next call or ``check()`` (at once with
+share a head, the hash of its queries), and a small kernel that step 2's launch runs after the
+scoring compares every rank's (kernels/agree.h). On a mismatch it writes NaN over the shard (so
+every rank's outputs are NaN after step 4; ``select_blocks``' merge writes NaN scores and ids
+-1 from the verdict it keeps on the device) and records the first disagreement in the kernel
+error word, raised as ``OutOfStepError`` by the next call or ``check()`` (at once with
 ``error_check="sync"``).
 
-Per call, apart from the scoring launch and the two collectives, the path is a handful of torch
-ops on buffers and views made once (per size): one copy of the queries and trailer into the
-gathered buffer, six for the agreement, and the interleave with its NaN mask in one op per
-span (two when ``W`` does not divide ``width``). Nothing reads the device from the host.
+Per call, apart from the scoring launch and the two collectives, ``score_push`` is one op that
+writes the queries and trailer into the gathered buffer and one copy per span of the
+interleave (two when ``W`` does not divide ``width``); ``select_blocks`` is that op and the
+merge launch (torch ops select past ``topk`` 16). Buffers and views are made once per size.
+Nothing reads the device from the host.
 """
 
 from __future__ import annotations
 
-import ctypes
-import logging
 from typing import NamedTuple
 
 import torch
 
-from .. import fingerprint, formats, kernels, lockstep, partition, reference, selection
+from .. import fingerprint, formats, lockstep, partition, reference, selection
 from ..comm import CollectiveFailed, CollectiveTimeout
-from ..errors import OutOfStepError, PeerTimeoutError, TransportUnavailable
-from ..kernels.launcher import ErrorMonitor, KernelScorer
+from ..errors import PeerTimeoutError, TransportUnavailable
+from ..kernels import structs
+from ..kernels.launcher import ErrorMonitor, KernelScorer, SelectTargets
 from ..memo import Memo
 from ..validation import Call
 from .base import Context, Transport, register
-
-log = logging.getLogger("cpindex")
 
 #: Bytes after each rank's query rows in the gathered buffer (GPU agreement): the plan's
 #: fingerprint and the hash of this rank's queries (int64 each; 16 keeps every slot's queries
 #: 16-byte aligned for the kernel).
 TRAILER = 16
-#: Kinds of disagreement (``DeviceAgreement.differ``'s rows): block tables or lengths,
-#: replicated heads' queries.
-KIND_TABLES, KIND_QUERIES = 1, 2
 
 
 class DeviceAgreement:
-    """The device side of the collective agreement (module docstring): stamps this rank's
-    trailer and compares every rank's after the all-gather, in a fixed number of torch ops on
-    buffers made here, with no host sync and nothing made per call (graph-capturable).
-
-    ``word`` (int64 ``[3]``, pinned host memory the device writes through its mapping on a
-    GPU) records the first disagreement since :meth:`clear`: ``[call, index, detail]``, call 0
-    while none is recorded; :meth:`decode` names it."""
+    """The host side of the collective agreement on a GPU (module docstring): stamps this
+    rank's trailer; the agreement kernel compares every rank's after the scoring and keeps
+    :attr:`state`. Made once, nothing per call (graph-capturable)."""
 
     def __init__(
-        self, world: int, rank: int, num_heads: int, word: torch.Tensor, query_bytes: int
+        self, world: int, rank: int, num_heads: int, device: torch.device, query_bytes: int
     ) -> None:
-        dev = word.device
-        self.world, self.rank, self.num_heads = world, rank, num_heads
         self.replicas = num_heads < world  # ranks r, r + H, ... own head r % H
-        # ``differ[kind - 1, peer]``: that peer's trailer word disagrees (row-major: tables
-        # first, so the first disagreement found is the one that explains best).
-        self.differ = torch.zeros(2 if self.replicas else 1, world, dtype=torch.bool, device=dev)
-        self._flags = self.differ.view(-1).view(torch.uint8)  # max() over bool: as uint8
-        self._any = torch.zeros(1, dtype=torch.uint8, device=dev)
-        #: This call's verdict: bool ``[1]``, True when any rank disagrees (the NaN mask).
-        self.bad = self._any.view(torch.bool)
-        self._new = torch.zeros(3, dtype=torch.int64, device=dev)  # this call's record
-        self._call, self._index, self._detail = self._new[0:1], self._new[1:2], self._new[2:3]
-        self._record = torch.zeros(1, dtype=torch.bool, device=dev)
-        self._zero = torch.zeros(1, dtype=torch.int64, device=dev)  # a plan without fingerprint
-        self.word = word
-        self._recorded = word[0:1]
+        #: The kernel's int64 ``[calls since reset(), the last call's verdict (1: disagree)]``.
+        self.state = torch.zeros(2, dtype=torch.int64, device=device)
+        #: The last call's verdict as a bool ``[1]`` mask (the verdict word's low byte).
+        self.bad = self.state[1:].view(torch.uint8)[:1].view(torch.bool)
+        self._zero = torch.zeros(1, dtype=torch.int64, device=device)  # a plan without fingerprint
         # Query hashes' weights, made once for the largest queries (``query_bytes``).
-        self._weights = fingerprint.query_weights(query_bytes // 4, dev) if self.replicas else None
-        # ``differ``'s rows as the comparisons write them (replicas: ``[W / H, H]``).
-        self._differ = [self.differ[0]] + (
-            [self.differ[1].view(-1, num_heads)] if self.replicas else []
+        self._weights = (
+            fingerprint.query_weights(query_bytes // 4, device) if self.replicas else None
         )
 
     def stamp(self, mine: torch.Tensor, iq: torch.Tensor, fp: torch.Tensor | None) -> None:
         """Writes this rank's slot (uint8 ``[q_bytes + TRAILER]``): its queries, the plan's
-        fingerprint and, where ranks share a head, the hash of its queries. One op."""
+        fingerprint and, where ranks share a head, the hash of its queries. One op (three with
+        the hash)."""
         parts = [
             iq.view(-1).view(torch.uint8),
             (self._zero if fp is None else fp).view(torch.uint8),
@@ -100,35 +83,9 @@ class DeviceAgreement:
         n = mine.numel() - (0 if self.replicas else 8)  # without replicas the hash word is unused
         torch.cat(parts, out=mine[:n])
 
-    def views(self, trailers: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """What :meth:`compare` reads of one call size's ``trailers`` (every rank's int64
-        ``[W, 2]``, a view of the gathered buffer), made once per size."""
-        fps = trailers[:, 0]
-        found = (fps, fps[self.rank], trailers.t()[: self.differ.shape[0]])
-        if not self.replicas:
-            return found
-        hashes = trailers[:, 1].view(-1, self.num_heads)  # [W / H, H]: rank r at [r // H, r % H]
-        return (*found, hashes, hashes[0])  # head h's first owner is rank h
-
-    def compare(self, views: tuple[torch.Tensor, ...], call: int) -> None:
-        """Sets :attr:`bad` from every rank's trailer (:meth:`views`) and records this call's
-        first disagreement unless one is recorded. Six ops (seven with replicated heads)."""
-        fps, mine, values = views[:3]
-        torch.ne(fps, mine, out=self._differ[0])  # any pair that differs shows against mine
-        if self.replicas:
-            torch.ne(views[3], views[4], out=self._differ[1])
-        # The verdict and the first disagreement's index in one op (max: its first index).
-        torch.max(self._flags, 0, keepdim=True, out=(self._any, self._index))
-        self._call.fill_(call)
-        torch.take(values, self._index, out=self._detail)
-        # word[0] < any: nothing recorded yet (call 0) and this call disagrees.
-        torch.lt(self._recorded, self._any, out=self._record)
-        torch.where(self._record, self._new, self.word, out=self.word)
-
-    def decode(self, word: list[int]) -> tuple[int, int, int, int]:
-        """``(kind, peer, call, detail)`` of a recorded :attr:`word` (read on the host)."""
-        call, index, detail = word[:3]
-        return index // self.world + KIND_TABLES, index % self.world, call, detail
+    def reset(self) -> None:
+        """Back to call 0 (with the device idle)."""
+        self.state.zero_()
 
 
 class _ShareViews(NamedTuple):
@@ -139,7 +96,7 @@ class _ShareViews(NamedTuple):
     slot: int  # bytes of one rank's slot in the gathered buffer
     gathered: torch.Tensor  # uint8 [W, slot]
     mine: torch.Tensor  # this rank's slot
-    trailers: tuple[torch.Tensor, ...]  # what the device agreement compares (its views)
+    trailer: tuple[int, int]  # the kernel's trailer argument (KernelScorer.score_local)
     q_all: torch.Tensor  # [W, rows, hpr, 128] in the query dtype
     shard: torch.Tensor  # float32 [H, rows, kw]
     send: torch.Tensor | None  # the shard as the all-to-all sends it (None: replicated heads)
@@ -150,6 +107,17 @@ class _ShareViews(NamedTuple):
     spans: tuple[tuple[torch.Tensor, torch.Tensor], ...]
     low: torch.Tensor  # int64 [kw]: the shard columns' key bits (selection.id_bits)
     owned: int  # shard columns that hold a block (the rest lie past width)
+
+
+class _SelectViews(NamedTuple):
+    """One (rows, topk)'s fused selection: the kernel's targets, the all-to-all's send and
+    receive buffers (int64 ``[W, hpr, rows, topk]`` keys) and the outputs."""
+
+    targets: SelectTargets
+    send: torch.Tensor
+    recv: torch.Tensor
+    ids: torch.Tensor
+    scores: torch.Tensor
 
 
 @register
@@ -185,9 +153,14 @@ class CollectiveTransport(Transport):
             w * hpr * cfg.max_rows * cfg.max_topk, dtype=torch.int64, device=dev
         )
         self._selected = selection.Outputs(cfg, hpr, dev)
+        # The kernel's selection (topk up to MAX_FUSED_TOPK): its send buffer and views.
+        fused_topk = min(cfg.max_topk, structs.MAX_FUSED_TOPK)
+        self._cand_send = torch.empty(
+            w * hpr * cfg.max_rows * fused_topk, dtype=torch.int64, device=dev
+        )
+        self._select: Memo[_SelectViews] = Memo()
         # Column k of rank r's shard is block r + W*k; its keys' low bits, made once.
         self._low = selection.id_bits(torch.arange(kw, device=dev) * w + ctx.rank)
-        self._nan = torch.full((), float("nan"), device=dev)
         # Which of the shard's heads go to each destination (replicated heads: d % H).
         self._send_heads = (
             None
@@ -203,7 +176,7 @@ class CollectiveTransport(Transport):
             if dev.type == "cuda":
                 self.monitor = ErrorMonitor(dev, ctx.rank)
                 if want_agreement:
-                    self._init_device_agreement()
+                    self.agreement = DeviceAgreement(w, ctx.rank, cfg.num_heads, dev, q_bytes)
                 self.scorer = KernelScorer(
                     dev,
                     self.fmt,
@@ -246,27 +219,40 @@ class CollectiveTransport(Transport):
     def score_push(self, call: Call) -> torch.Tensor:
         rows, width = call.plan.rows, call.plan.width
         v = self._views(rows, width)
-        shard = self._score_share(call, v)
+        self._score_share(call, v)
         send = v.send
         if send is None:  # replicated heads: rank d receives head d % H
-            send = shard.index_select(0, self._send_heads).view(v.recv.shape)
+            send = v.shard.index_select(0, self._send_heads).view(v.recv.shape)
         self._collective("all-to-all of scores", self.ctx.comm.all_to_all_into, v.recv, send)
-        agreement = self.agreement
-        for dst, src in v.spans:  # the interleave, with the NaN mask where ranks disagree
-            if agreement is None:
-                dst.copy_(src)
-            else:
-                torch.where(agreement.bad, self._nan, src, out=dst)
+        for dst, src in v.spans:  # the interleave (NaN throughout where ranks disagree)
+            dst.copy_(src)
         return self.scores_out(rows, width)
 
     def select_blocks(self, call: Call, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Candidate exchange: the global top-k lies in the union of the ranks' top-k of their
         shares, so merging ``W * topk`` candidates is exact, and the payload (``topk`` 8-byte
-        keys per row and head) does not grow with ``width``."""
-        w, hpr = self.ctx.world, self.ctx.heads_per_rank
+        keys per row and head) does not grow with ``width``. On a GPU up to
+        ``structs.MAX_FUSED_TOPK``, the kernel keeps the shard's candidates (after the
+        scoring, in the same launch) and a merge kernel follows the all-to-all; otherwise
+        torch ops do both."""
         rows, width = call.plan.rows, call.plan.width
         v = self._views(rows, width)
-        keys = selection.pack_bits(self._score_share(call, v), v.low)
+        if self.scorer is None or topk > structs.MAX_FUSED_TOPK:
+            return self._select_with_torch(call, v, topk)
+        sel = self._select_views(rows, topk)
+        img = self._score_share(call, v, sel.targets)
+        self._collective(
+            "all-to-all of candidates", self.ctx.comm.all_to_all_into, sel.recv, sel.send
+        )
+        self.scorer.merge(img)
+        return sel.ids.detach(), sel.scores.detach()
+
+    def _select_with_torch(
+        self, call: Call, v: _ShareViews, topk: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        w, hpr, rows = self.ctx.world, self.ctx.heads_per_rank, call.plan.rows
+        self._score_share(call, v)
+        keys = selection.pack_bits(v.shard, v.low)
         if v.owned < v.kw:  # the last shard column lies past width here: it holds no block
             keys[:, :, v.owned :].fill_(selection.FILLER)
         local = selection.top_keys(keys, topk)
@@ -337,9 +323,9 @@ class CollectiveTransport(Transport):
                 slot=slot,
                 gathered=gathered,
                 mine=gathered[rank],  # gathered in place: this rank's slot is its input
-                trailers=()
+                trailer=(0, 0)
                 if self.agreement is None
-                else self.agreement.views(gathered[:, q_bytes:].view(torch.int64)),
+                else (q_bytes, self.agreement.state.data_ptr()),
                 q_all=gathered[:, :q_bytes].view(self.qdtype).view(w, rows, hpr, cfg.head_dim),
                 shard=shard,
                 send=shard.view(w, hpr, rows, kw) if self._send_heads is None else None,
@@ -350,9 +336,41 @@ class CollectiveTransport(Transport):
             ),
         )
 
-    def _score_share(self, call: Call, v: _ShareViews) -> torch.Tensor:
+    def _select_views(self, rows: int, topk: int) -> _SelectViews:
+        """The fused selection's buffers and kernel targets for ``rows`` x ``topk``, made once
+        per size. Head h's candidates go to each owner d's block of the send buffer, at
+        the head's slot among d's heads (the all-to-all's layout)."""
+        got = self._select.get((rows, topk))
+        if got is not None:
+            return got
+        cfg, w, hpr = self.ctx.config, self.ctx.world, self.ctx.heads_per_rank
+        n = w * hpr * rows * topk
+        send = self._cand_send[:n].view(w, hpr, rows, topk)
+        recv = self._cand[:n].view(w, hpr, rows, topk)
+        owners = partition.head_owners(cfg.num_heads, w)
+        cand_dst = tuple(
+            send[d, partition.heads_of_rank(d, cfg.num_heads, w).index(h)].data_ptr()
+            for h in range(cfg.num_heads)
+            for d in owners[h]
+        )
+        ids, scores = self.selected_out(rows, topk)
+        targets = SelectTargets(
+            topk=topk,
+            heads_per_rank=hpr,
+            cand_copies=len(owners[0]),
+            cand_dst=cand_dst,
+            cand=recv.data_ptr(),
+            ids_out=ids.data_ptr(),
+            scores_out=scores.data_ptr(),
+        )
+        return self._select.put((rows, topk), _SelectViews(targets, send, recv, ids, scores))
+
+    def _score_share(
+        self, call: Call, v: _ShareViews, select: SelectTargets | None = None
+    ) -> torch.Tensor | None:
         """Steps 1-2: gather every rank's queries, score this rank's share of every row's
-        blocks for all heads. Returns the ``[H, rows, kw]`` shard."""
+        blocks for all heads into the ``[H, rows, kw]`` shard ``v.shard`` (``select``: and
+        keep its candidates). Returns the kernel's parameter image (None on the CPU)."""
         cfg, w, rank, hpr = self.ctx.config, self.ctx.world, self.ctx.rank, self.ctx.heads_per_rank
         plan = call.plan
         width = plan.width
@@ -364,13 +382,12 @@ class CollectiveTransport(Transport):
             self._collective(
                 "all-gather of queries", self.ctx.comm.all_gather_into, gathered, v.mine
             )
-            agreement.compare(v.trailers, self.calls)
         else:
             self._collective(
                 "all-gather of queries", self.ctx.comm.all_gather_into, gathered, call.iq
             )
         if self.scorer is not None:
-            self.scorer.score_local(
+            return self.scorer.score_local(
                 q_all,
                 call.index_cache,
                 plan.block_table,
@@ -383,63 +400,24 @@ class CollectiveTransport(Transport):
                 shard=True,
                 q_src_stride=v.slot,
                 q_heads_per_src=hpr,
+                trailer=v.trailer,
+                select=select,
                 cache_key=call.cache_key,
             )
-        else:
-            cols = partition.owned_columns(rank, w, width)
-            shard[:, :, : cols.numel()] = reference.block_scores(
-                self._all_heads(q_all),
-                call.index_cache,
-                plan.block_table,
-                plan.seq_lens,
-                init_blocks=plan.init_blocks,
-                local_blocks=plan.local_blocks,
-                width=width,
-                sm_scale=cfg.sm_scale,
-                columns=cols,
-                query_len=plan.query_len,
-            )
-        return shard
-
-    # ---- agreement on the device (module docstring) ------------------------------------------
-    def _init_device_agreement(self) -> None:
-        """The disagreement word in pinned host memory the device writes (and reads) through
-        its mapping, so ``check()`` reads it without a sync (like the kernel's error word).
-        Checked once here; a system where the device cannot write it gets no device agreement
-        (logged)."""
-        from .peer import view_bytes  # raw device memory as a tensor (no import cycle at load)
-
-        ctx = self.ctx
-        dev = ctx.device
-        with torch.cuda.device(dev):  # pinned memory registered with this rank's device
-            host_word = torch.zeros(3, dtype=torch.int64, pin_memory=True)
-        mapped = kernels.load(dev).host_device_pointer(host_word.data_ptr())
-        word = view_bytes(mapped, 24, dev).view(torch.int64)
-        word.fill_(7)
-        torch.cuda.synchronize(dev)
-        if word.data_ptr() != mapped or int(host_word[0]) != 7:
-            log.warning(
-                "cpindex: rank %d cannot write pinned host memory from %s; the collective "
-                "transport compares no fingerprints on the device",
-                ctx.rank,
-                dev,
-            )
-            return
-        self._use_device_agreement(host_word, word)
-
-    def _use_device_agreement(self, host_word: torch.Tensor, word: torch.Tensor) -> None:
-        """Compare on the device from now on, recording into ``word`` (int64 ``[3]`` the
-        device writes), which ``host_word`` (CPU) shows to the host; on the CPU (tests) one
-        tensor. Before the first call, on every rank (the gathered slots change layout)."""
-        host_word.zero_()
-        self._host_word = host_word
-        # read in place at every check() (no tensor op); ``_host_word`` owns the memory
-        self._host_call = ctypes.c_int64.from_address(host_word.data_ptr())
-        ctx = self.ctx
-        cfg = ctx.config
-        q_bytes = cfg.max_rows * ctx.heads_per_rank * cfg.head_dim * self._elem
-        self.agreement = DeviceAgreement(ctx.world, ctx.rank, cfg.num_heads, word, q_bytes)
-        self._share_views.clear()
+        cols = partition.owned_columns(rank, w, width)
+        shard[:, :, : cols.numel()] = reference.block_scores(
+            self._all_heads(q_all),
+            call.index_cache,
+            plan.block_table,
+            plan.seq_lens,
+            init_blocks=plan.init_blocks,
+            local_blocks=plan.local_blocks,
+            width=width,
+            sm_scale=cfg.sm_scale,
+            columns=cols,
+            query_len=plan.query_len,
+        )
+        return None
 
     def _collective(self, what: str, fn, out: torch.Tensor, inp: torch.Tensor) -> None:
         # The call's header round passed on every rank, so every rank posts this collective;
@@ -472,33 +450,8 @@ class CollectiveTransport(Transport):
         return self._half_done
 
     def check(self) -> None:
-        if self.agreement is not None and self._host_call.value:
-            raise self._disagreement(self.agreement.decode(self._host_word.tolist()))
-        if self.monitor is not None:
+        if self.monitor is not None:  # the kernel's error word, the agreement's included
             self.monitor.check()
-
-    def _disagreement(self, record: tuple[int, int, int, int]) -> OutOfStepError:
-        kind, peer, call, detail = record
-        rank, detail = self.ctx.rank, detail & ((1 << 64) - 1)
-        if kind == KIND_TABLES:
-            what = (
-                f"rank {peer} passed other block-table entries or lengths of equal shapes "
-                f"(agreement fingerprint {detail:#018x} there, another here)"
-            )
-        else:
-            head = peer % self.ctx.config.num_heads
-            what = (
-                f"ranks {head} and {peer} both own head {head} but passed different iq (query "
-                f"hash {detail:#018x} on rank {peer}); ranks that share a head must pass the "
-                "same queries"
-            )
-        return OutOfStepError(
-            f"rank {rank}: call {call}: {what}. That call's outputs are NaN on every rank. "
-            "Call reset() on every rank to go on.",
-            rank=rank,
-            peer=peer,
-            call=call,
-        )
 
     def reset(self) -> None:
         # No collective here: IndexCP.reset met every rank already, and after a data
@@ -508,4 +461,4 @@ class CollectiveTransport(Transport):
             torch.cuda.synchronize(self.ctx.device)
             self.monitor.reset()
         if self.agreement is not None:  # the device is done with it (synchronized above)
-            self._host_word.zero_()
+            self.agreement.reset()

@@ -35,7 +35,7 @@ from .. import formats, kernels, partition, selection
 from ..config import CPIndexConfig
 from ..errors import TransportUnavailable
 from ..kernels import structs
-from ..kernels.launcher import ErrorMonitor, KernelScorer
+from ..kernels.launcher import ErrorMonitor, KernelScorer, SelectTargets
 from ..memo import Memo
 from ..plan import Plan
 from ..validation import Call
@@ -212,11 +212,11 @@ class PushEngine:
             ident=call_identity(cfg, *shape),
             agree=cfg.fingerprint,
             poison=(0, self.hpr * rows * topk),
-            select=dict(
+            select=SelectTargets(
                 topk=topk,
                 heads_per_rank=self.hpr,
                 cand_copies=len(self._owners[0]),
-                cand_dst=cand_dst,
+                cand_dst=tuple(cand_dst),
                 cand=self.bases[rank] + lay.cand_off,
                 ids_out=ids.data_ptr(),
                 scores_out=scores.data_ptr(),
