@@ -496,6 +496,13 @@ class KernelScorer:
         )  # fmt: skip
         img = self._images.get(key)
         if img is None:
+            # What a disagreement poisons: the selection's outputs, else the shard (agreement on)
+            if select is not None:
+                poison = (0, select.heads_per_rank * rows * select.topk)
+            elif trailer[0]:
+                poison = (out.data_ptr(), self.num_heads * rows * cols)
+            else:
+                poison = (0, 0)
             img = self.params(
                 requests=requests,
                 query_len=query_len,
@@ -509,11 +516,7 @@ class KernelScorer:
                 dst_copies=1,
                 shard_columns=shard,
                 out_row_stride=cols,
-                poison=(0, select.heads_per_rank * rows * select.topk)
-                if select is not None
-                else (out.data_ptr(), self.num_heads * rows * cols)
-                if trailer[0]
-                else (0, 0),
+                poison=poison,
                 trailer=trailer,
                 select=select,
             )
