@@ -7,9 +7,11 @@ inputs (docs/design.md, "Ranks in step").
 forced columns) never count, so garbage there cannot make ranks disagree. :func:`query_hash`
 hashes a query tensor's bytes (ranks that own the same head compare theirs).
 
-Both are plain torch ops on the inputs' device: no host sync, capturable in a CUDA/HIP graph
-(a replay recomputes them from the tensors' current contents), and the same value on every
-device for the same contents. Each hash is a sum over entries of ``value * weight(position)``
+Both are plain torch ops on the inputs' device, except that on a GPU :func:`plan_fingerprint`
+is one launch of the compiled kernel (kernels/agree.h, the same value bit for bit, where the
+torch ops take some 30 launches): no host sync, capturable in a CUDA/HIP graph (a replay
+recomputes them from the tensors' current contents), and the same value on every device for
+the same contents. Each hash is a sum over entries of ``value * weight(position)``
 in wrapping int64 arithmetic, with odd 64-bit weights mixed from the position, so a change of
 any one entry always changes the hash and a change of several collides with probability about
 ``2**-64``. Not cryptographic: it catches mistakes, not adversaries.
@@ -48,6 +50,34 @@ def _weights(positions: torch.Tensor) -> torch.Tensor:
     return x.bitwise_or_(1)
 
 
+_kernels: dict[torch.device, object] = {}
+_UNLOADED = object()
+
+
+def _kernel(block_table: torch.Tensor, seq_lens: torch.Tensor) -> object | None:
+    """The compiled module that computes the plan fingerprint for these tensors, or None (CPU,
+    a layout the kernel does not take, or no kernel build: the torch ops then)."""
+    dev = block_table.device
+    if (
+        dev.type != "cuda"
+        or block_table.dtype != torch.int32
+        or seq_lens.dtype != torch.int32
+        or block_table.stride(1) != 1
+        or not seq_lens.is_contiguous()
+    ):
+        return None
+    mod = _kernels.get(dev, _UNLOADED)
+    if mod is _UNLOADED:  # first call on this device: the build IndexCP loaded already
+        from . import kernels
+
+        try:
+            mod = kernels.load(dev)
+        except kernels.KernelUnavailable:
+            mod = None
+        _kernels[dev] = mod
+    return mod
+
+
 def plan_fingerprint(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -58,7 +88,11 @@ def plan_fingerprint(
     """Write the fingerprint of one step's ``block_table`` (int32 ``[requests, max_blocks]``)
     and ``seq_lens`` (int32 ``[requests]``) into ``out`` (int64 ``[1]`` on their device) and
     return ``out``. Only entries a call reads count (module docstring); a table's padding
-    width (``max_blocks``) does not change the value."""
+    width (``max_blocks``) does not change the value. On a GPU, one kernel launch."""
+    kernel = _kernel(block_table, seq_lens)
+    if kernel is not None:
+        kernel.plan_fingerprint(block_table, seq_lens, init_blocks, local_blocks, out)
+        return out
     requests, max_blocks = block_table.shape
     dev = block_table.device
     lens = seq_lens.to(torch.int64)

@@ -170,6 +170,33 @@ def test_fingerprint_is_computed_on_the_device_without_a_sync():
     assert int(dev.cpu()[0]) != int(cpu[0])
 
 
+@pytest.mark.parametrize(
+    ("requests", "cols", "init", "local", "view"),
+    [(1, 1, 0, 0, False), (8, 300, 0, 1, False), (64, 2048, 1, 3, False), (5, 40, 2, 1, True),
+     (3, 17, 9, 0, True)],
+)  # fmt: skip
+def test_fingerprint_kernel_equals_the_torch_ops(requests, cols, init, local, view):
+    """On a GPU the plan fingerprint is one kernel launch: the same int64 as the torch ops
+    (the CPU's), for ragged lengths (0, shorter than the local blocks, past the table), any
+    int32 entries, and a table whose rows are a wider tensor's (row stride > cols)."""
+    from cpindex import fingerprint as fp
+
+    g = torch.Generator().manual_seed(requests * 1000 + cols)
+    wide = torch.randint(-(2**31), 2**31 - 1, (requests, cols + 5 * view), generator=g,
+                         dtype=torch.int32)  # fmt: skip
+    table = wide[:, :cols]
+    lens = torch.randint(0, 128 * (cols + 2), (requests,), generator=g, dtype=torch.int32)
+    lens[0] = 128 * cols + 1  # past the table
+    lens[-1] = 0
+    cpu = torch.zeros(1, dtype=torch.int64)
+    fp.plan_fingerprint(table, lens, init, local, cpu)
+    dev_table = wide.to(DEV)[:, :cols]
+    assert fp._kernel(dev_table, lens.to(DEV)) is not None
+    dev = torch.full((1,), 12345, dtype=torch.int64, device=DEV)
+    fp.plan_fingerprint(dev_table, lens.to(DEV), init, local, dev)
+    assert int(dev.cpu()[0]) == int(cpu[0])
+
+
 #: (rows, extra width): widths W divides, does not divide, and below W; the views and kernel
 #: images cached for one size must never serve another.
 SIZES = [(3, 0), (5, 3), (3, 1), (8, 0), (2, 0), (5, 3)]

@@ -157,5 +157,46 @@ CP_DEVICE bool trailers_agree(const ScoreParams& p) {
   return f == kNone;
 }
 
+// ---- the plan fingerprint (cpindex/fingerprint.py, plan_fingerprint: the same int64, bit for
+// bit; the torch ops there stay the CPU's and the reference) ---------------------------------
+// fingerprint._weights: splitmix64's finalizer in wrapping int64 with arithmetic shifts, made
+// odd. The products wrap in uint64 (signed overflow is undefined); the shifts are signed.
+CP_DEVICE uint64_t fp_weight(uint64_t x) {
+  x *= 0x9e3779b97f4a7c15ull;
+  x ^= (uint64_t)((int64_t)x >> 30);
+  x *= 0xbf58476d1ce4e5b9ull;
+  x ^= (uint64_t)((int64_t)x >> 27);
+  x *= 0x94d049bb133111ebull;
+  x ^= (uint64_t)((int64_t)x >> 31);
+  return x | 1ull;
+}
+
+// One CTA: golden * sum(table[i][j] * w(i * 2**32 + j)) over the entries a call reads
+// (init_blocks <= j < ceil(len_i / 128) - local_blocks, j < cols) plus sum(len_i * w(i + 2**62)),
+// all mod 2**64 (so the golden factor goes on each term). Rows outer, columns across the CTA:
+// only the entries read are loaded, and no division per entry.
+CP_DEVICE void plan_fingerprint_cta(const FingerprintParams& f) {
+  __shared__ unsigned long long total;
+  if (threadIdx.x == 0) total = 0ull;
+  __syncthreads();
+  uint64_t sum = 0;
+  for (int64_t i = 0; i < f.requests; ++i) {
+    const int64_t len = f.seq_lens[i];
+    const int64_t up = len + (kPageTokens - 1);  // floor division, as torch's
+    int64_t end = (up >= 0 ? up / kPageTokens : -((-up + kPageTokens - 1) / kPageTokens)) -
+                  f.local_blocks;
+    if (end > f.cols) end = f.cols;
+    const int32_t* row = f.block_table + i * f.bt_row_stride;
+    for (int64_t j = f.init_blocks + threadIdx.x; j < end; j += blockDim.x)
+      sum += 0x9e3779b97f4a7c15ull * fp_weight(((uint64_t)i << 32) + (uint64_t)j) *
+             (uint64_t)(int64_t)row[j];
+  }
+  for (int64_t i = threadIdx.x; i < f.requests; i += blockDim.x)
+    sum += fp_weight((uint64_t)i + (1ull << 62)) * (uint64_t)(int64_t)f.seq_lens[i];
+  if (sum) atomicAdd(&total, (unsigned long long)sum);
+  __syncthreads();
+  if (threadIdx.x == 0) *f.out = (int64_t)total;
+}
+
 }  // namespace
 }  // namespace cpindex

@@ -25,6 +25,7 @@ namespace {
                 __FILE__, ":", __LINE__);                                                  \
   } while (0)
 
+using cpindex::FingerprintParams;
 using cpindex::PushState;
 using cpindex::ScoreParams;
 
@@ -93,6 +94,42 @@ void merge(const torch::Tensor& params_image, int64_t device) {
   py::gil_scoped_release no_gil;  // as in score
   const int rc = cpindex::launch_merge(p, stream);
   TORCH_CHECK(rc == 0, "cpindex merge kernel launch failed: ",
+              cudaGetErrorString(static_cast<cudaError_t>(rc)));
+}
+
+// The plan fingerprint (launch.h, launch_plan_fingerprint; cpindex.fingerprint validates
+// and falls back to torch ops for other layouts): block_table int32 [requests, cols] with
+// contiguous rows, seq_lens int32 [requests] contiguous, out int64 [1], one GPU; launched on
+// its current stream.
+void plan_fingerprint(const torch::Tensor& block_table, const torch::Tensor& seq_lens,
+                      int64_t init_blocks, int64_t local_blocks, const torch::Tensor& out) {
+  TORCH_CHECK(block_table.is_cuda() && block_table.dim() == 2 &&
+                  block_table.scalar_type() == torch::kInt32 && block_table.stride(1) == 1,
+              "plan_fingerprint: block_table must be an int32 [requests, cols] GPU tensor with "
+              "contiguous rows");
+  const int64_t requests = block_table.size(0);
+  TORCH_CHECK(seq_lens.device() == block_table.device() && seq_lens.dim() == 1 &&
+                  seq_lens.size(0) == requests && seq_lens.scalar_type() == torch::kInt32 &&
+                  seq_lens.is_contiguous(),
+              "plan_fingerprint: seq_lens must be a contiguous int32 [", requests, "] tensor on ",
+              block_table.device());
+  TORCH_CHECK(out.device() == block_table.device() && out.numel() == 1 &&
+                  out.scalar_type() == torch::kInt64,
+              "plan_fingerprint: out must be an int64 [1] tensor on ", block_table.device());
+  FingerprintParams f;
+  f.block_table = block_table.data_ptr<int32_t>();
+  f.bt_row_stride = block_table.stride(0);
+  f.cols = block_table.size(1);
+  f.seq_lens = seq_lens.data_ptr<int32_t>();
+  f.requests = requests;
+  f.init_blocks = init_blocks;
+  f.local_blocks = local_blocks;
+  f.out = out.data_ptr<int64_t>();
+  const c10::cuda::CUDAGuard guard(block_table.device());
+  void* stream = at::cuda::getCurrentCUDAStream().stream();
+  py::gil_scoped_release no_gil;  // as in score
+  const int rc = cpindex::launch_plan_fingerprint(f, stream);
+  TORCH_CHECK(rc == 0, "cpindex plan_fingerprint launch failed: ",
               cudaGetErrorString(static_cast<cudaError_t>(rc)));
 }
 
@@ -306,6 +343,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "cpindex fused block-scoring kernel (see cpindex/kernels/launch.h)";
   m.def("score", &score);
   m.def("merge", &merge);
+  m.def("plan_fingerprint", &plan_fingerprint);
   m.def("write_keys", &write_keys);
   m.def("occupancy", &occupancy);
   m.def("has_wgmma", &has_wgmma);

@@ -162,6 +162,23 @@ struct WriteParams {
 // rounded divisions. Returns 0 or a cudaError_t/hipError_t value (-1: bad format or key dtype).
 int launch_write_keys(const WriteParams& w, void* stream);
 
+// The plan fingerprint's arguments (cpindex/fingerprint.py): block_table int32 rows of
+// `cols` entries, bt_row_stride apart; seq_lens int32 [requests]; out one int64.
+struct FingerprintParams {
+  const int32_t* block_table;
+  int64_t bt_row_stride;
+  int64_t cols;
+  const int32_t* seq_lens;
+  int64_t requests;
+  int64_t init_blocks;
+  int64_t local_blocks;
+  int64_t* out;
+};
+
+// Writes the fingerprint of (block_table, seq_lens) into *out on `stream`: one small launch, no
+// sync, graph-capturable. Returns 0 or a cudaError_t/hipError_t value.
+int launch_plan_fingerprint(const FingerprintParams& f, void* stream);
+
 // Launches one scoring call. push == nullptr: local mode (scores into dst, no handshake; with
 // p.trailer > 0 or p.topk > 0 the collective transport's agreement and shard selection follow).
 // Otherwise push mode: deliver queries and the call identity, wait for peers' (and compare

@@ -485,6 +485,14 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(const ScoreParams p) {
     merge_candidates(p);
 }
 
+// One CTA of 1024 threads: a decode step's table is at most a few hundred thousand entries.
+constexpr int kFingerprintThreads = 1024;
+
+__global__ void __launch_bounds__(kFingerprintThreads)
+    plan_fingerprint_kernel(const FingerprintParams f) {
+  plan_fingerprint_cta(f);
+}
+
 // Query n-tiles per pass for `vectors` = T * H query vectors: registers hold every tile's query
 // fragment, so more than 4 tiles take several passes instead (the later passes find the page in
 // L2).
@@ -616,6 +624,11 @@ int launch_score(const ScoreParams& p, const PushState* push, int format, bool w
 int launch_merge(const ScoreParams& p, void* stream) {
   const int64_t items = (int64_t)p.requests * p.query_len * p.heads_per_rank;
   merge_kernel<<<warp_grid(items), kThreads, 0, (cp_stream_t)stream>>>(p);
+  return (int)cp_get_last_error();
+}
+
+int launch_plan_fingerprint(const FingerprintParams& f, void* stream) {
+  plan_fingerprint_kernel<<<1, kFingerprintThreads, 0, (cp_stream_t)stream>>>(f);
   return (int)cp_get_last_error();
 }
 
