@@ -31,10 +31,10 @@ class Plan:
     call always reads their current contents, and the plan's tensors keep their addresses: a
     plan is reusable across layers and steps, and a call captured in a CUDA/HIP graph replays
     with whatever the tensors then hold. What the plan derives from the *contents* is the
-    agreement :attr:`fingerprint`, computed when the plan is made and by :meth:`refresh`
-    (device ops, no host sync): after changing ``block_table`` or ``seq_lens`` in place, call
-    :meth:`refresh`, or make the plan inside the captured region, so that replays recompute it.
-    On the CPU every call re-checks and re-hashes the contents anyway (it costs nothing there).
+    agreement :attr:`fingerprint`, computed when the plan is made and again by every call
+    (:meth:`refresh`: one kernel launch on a GPU, no host sync, captured with the call), so
+    that a call compares what the tensors hold then, in a graph replay too. On the CPU every
+    call also re-checks the contents.
 
     Attributes:
         block_table: int32 ``[requests, max_blocks]``, rows contiguous.

@@ -408,7 +408,9 @@ class Checker:
         index_cache, key = self.cache(index_cache)
         if self.on_cpu:
             _check_contents(plan, index_cache)
-            plan.refresh()
+        # The fingerprint of the tensors' current contents, which may have changed in place
+        # since the plan was made (one launch on a GPU, captured with the call; none without).
+        plan.refresh()
         return Call(iq, index_cache, plan, tag, key)  # type: ignore[arg-type]
 
     def call(

@@ -55,13 +55,15 @@ def _disagree(comm: Comm, *, heads: int, error_check: str, what: str, op: str) -
     cfg = _cfg(heads, error_check=error_check, max_topk=max(16, topk))
     with IndexCP(cfg, device=DEV, comm=comm) as cp:
         iq = p.rank_queries(rank, w)
-        table = p.block_table
+        table = p.block_table.clone()
         if rank == w - 1:
             if what == "table":
                 table = _flipped(p.block_table)
-            else:  # the last rank shares its head with another and passes other queries
+            elif what == "queries":  # the last rank shares its head with another
                 iq = (iq.float() * 0.5).to(torch.float8_e4m3fn)
         plan = cp.plan(table, p.seq_lens)
+        if what == "in place" and rank == w - 1:  # the plan's table changes after it was made
+            table.copy_(_flipped(table))
         good_plan = cp.plan(p.block_table, p.seq_lens)
         for _ in range(2):  # two calls that agree: the third is call 3
             cp.score_push(p.rank_queries(rank, w), p.index_cache, good_plan)
@@ -97,7 +99,9 @@ def _disagree(comm: Comm, *, heads: int, error_check: str, what: str, op: str) -
         ("sync", "score_push"),
     ],
 )
-@pytest.mark.parametrize(("what", "world", "heads"), [("table", 2, 4), ("queries", 4, 2)])
+@pytest.mark.parametrize(
+    ("what", "world", "heads"), [("table", 2, 4), ("in place", 2, 4), ("queries", 4, 2)]
+)
 def test_disagreement_poisons_and_raises_on_every_rank(error_check, op, what, world, heads):
     results = run_threads(
         world,
@@ -108,7 +112,7 @@ def test_disagreement_poisons_and_raises_on_every_rank(error_check, op, what, wo
     for rank, r in enumerate(results):
         assert r["call"] is not None and r["call"].startswith("OutOfStepError"), (rank, r)
         assert "call 3:" in r["call"], r["call"]
-        if what == "table":
+        if what != "queries":
             peer = 0 if rank == world - 1 else world - 1
             assert f"rank {peer} read other block-table entries" in r["call"], r["call"]
         else:  # ranks 1 and 3 own head 1: rank 3's queries are compared with rank 1's
