@@ -225,8 +225,8 @@ class IndexCP:
         """Validate a decode step's shared inputs once, for every layer's call of the step.
 
         Args: as in :meth:`score_push`. Local (no communication) and cheap: host checks only
-        on a GPU, plus the agreement fingerprint (a few device ops, no sync), computed now and
-        by :meth:`Plan.refresh <cpindex.plan.Plan.refresh>`.
+        on a GPU, plus the agreement fingerprint (one launch on a GPU, no sync), computed now
+        and again by every call that takes the plan.
 
         Returns:
             a :class:`~cpindex.plan.Plan` to pass to :meth:`score_push` and
