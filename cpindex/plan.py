@@ -115,5 +115,6 @@ class Plan:
         return self
 
     def with_fingerprint(self, out: torch.Tensor) -> Plan:
-        """This plan with its fingerprint computed into ``out`` (int64 ``[1]``)."""
-        return replace(self, fingerprint=out).refresh()
+        """This plan with ``out`` (int64 ``[1]``) as its fingerprint's slot, not yet computed:
+        every call that takes the plan computes it (:meth:`refresh`)."""
+        return replace(self, fingerprint=out)

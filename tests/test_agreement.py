@@ -12,6 +12,7 @@ compute correct results again.
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import functools
 import itertools
@@ -164,6 +165,14 @@ def sc_tables(comm: Comm) -> dict:
             out[name] = _attempt(lambda a=args: cp.score_push(**a))
             out[name + "_after"] = _attempt(lambda: _correct(cp))  # broken until reset
             cp.reset()
+        # A plan without a fingerprint slot (not made by this instance) is compared too.
+        args = _args(rank, w, p)
+        if rank == 1:
+            args["block_table"] = _flip(p.block_table)
+        plan = cp.plan(args.pop("block_table"), args.pop("seq_lens"), width=args.pop("width"))
+        bare = dataclasses.replace(plan, fingerprint=None)
+        out["bare_plan"] = _attempt(lambda: cp.score_push(args["iq"], args["index_cache"], bare))
+        cp.reset()
         padded = _args(rank, w, p)  # entries past each row's read columns: garbage per rank
         table = p.block_table.clone()
         n = (p.seq_lens.long() + 127) // 128
@@ -413,6 +422,14 @@ def test_equal_shaped_tables_that_differ_raise_on_every_rank(kind, world, change
         assert "different block tables or lengths" in msg, msg
         assert r[change + "_after"]["type"] == "BrokenInstanceError"
         assert r["padding_ok"] and r["correct"], rank
+
+
+@pytest.mark.parametrize(("kind", "world"), KINDS)
+def test_a_plan_without_a_fingerprint_slot_is_compared_too(kind, world, tmp_path_factory):
+    res = _scenario(kind, world, "tables", tmp_path_factory)
+    _all_raise_at_once(res, "bare_plan")
+    for r in res:
+        assert "different block tables or lengths" in r["bare_plan"]["msg"], r["bare_plan"]
 
 
 @pytest.mark.parametrize(("kind", "world"), KINDS)

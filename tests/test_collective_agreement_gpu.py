@@ -8,6 +8,7 @@ at every call size. One-process world on one GPU. Skipped without a GPU.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -57,11 +58,13 @@ def _disagree(comm: Comm, *, heads: int, error_check: str, what: str, op: str) -
         iq = p.rank_queries(rank, w)
         table = p.block_table.clone()
         if rank == w - 1:
-            if what == "table":
+            if what in ("table", "bare plan"):
                 table = _flipped(p.block_table)
             elif what == "queries":  # the last rank shares its head with another
                 iq = (iq.float() * 0.5).to(torch.float8_e4m3fn)
         plan = cp.plan(table, p.seq_lens)
+        if what == "bare plan":  # no fingerprint slot (not made by this instance)
+            plan = dataclasses.replace(plan, fingerprint=None)
         if what == "in place" and rank == w - 1:  # the plan's table changes after it was made
             table.copy_(_flipped(table))
         good_plan = cp.plan(p.block_table, p.seq_lens)
@@ -100,7 +103,8 @@ def _disagree(comm: Comm, *, heads: int, error_check: str, what: str, op: str) -
     ],
 )
 @pytest.mark.parametrize(
-    ("what", "world", "heads"), [("table", 2, 4), ("in place", 2, 4), ("queries", 4, 2)]
+    ("what", "world", "heads"),
+    [("table", 2, 4), ("in place", 2, 4), ("bare plan", 2, 4), ("queries", 4, 2)],
 )
 def test_disagreement_poisons_and_raises_on_every_rank(error_check, op, what, world, heads):
     results = run_threads(
