@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -21,6 +26,17 @@ def force_warpgroup_mma(monkeypatch) -> None:
         pytest.skip("no warpgroup-mma instance in this build (sm_90a only)")
     monkeypatch.setattr(launcher, "WGMMA_MIN_ITEMS_PER_SM", 0)
     monkeypatch.setattr(launcher, "WGMMA_RING_GPUS", ("",))  # bf16 and fp8 on any GPU too
+
+
+def in_child(code: str, timeout_s: float = 300) -> str:
+    """Run ``code`` in a child Python process (this directory importable) and return its
+    output: a crash there fails the calling test instead of ending the whole run."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                       text=True, timeout=timeout_s, env=env)  # fmt: skip
+    assert r.returncode == 0, f"the child process ended with {r.returncode}:\n{r.stderr[-3000:]}"
+    return r.stdout
 
 
 def needs_gpus(n: int):

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from _gpu import assert_scores, expected, for_rank, needs_gpu
+from _gpu import assert_scores, expected, for_rank, in_child, needs_gpu
 
 from cpindex import BrokenInstanceError, CPIndexConfig, IndexCP, reference, testing
 from cpindex.comm import Comm
@@ -176,6 +176,28 @@ def test_fingerprint_is_computed_on_the_device_without_a_sync():
     graph.replay()
     torch.cuda.synchronize()
     assert int(dev.cpu()[0]) != int(cpu[0])
+
+
+def test_fingerprint_binding_refuses_mismatched_lengths():
+    """The raw binding raises with the sizes in its message (in a child process: such messages
+    once crashed the process, binding.cpp)."""
+    out = in_child(
+        """
+        import torch
+        from cpindex.kernels import load
+
+        mod = load(torch.device("cuda", 0))
+        table = torch.zeros(3, 4, dtype=torch.int32, device="cuda")
+        out = torch.zeros(1, dtype=torch.int64, device="cuda")
+        try:
+            mod.plan_fingerprint(table, torch.zeros(2, dtype=torch.int32, device="cuda"), 0, 1, out)
+        except RuntimeError as e:
+            print(str(e).splitlines()[0])
+        """
+    )
+    assert out.startswith(
+        "plan_fingerprint: seq_lens must be a contiguous int32 [3] tensor on cuda:0"
+    )
 
 
 @pytest.mark.parametrize(

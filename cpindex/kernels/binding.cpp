@@ -18,11 +18,28 @@
 
 namespace {
 
-#define CP_CHECK_RT(expr)                                                                  \
-  do {                                                                                     \
-    auto _e = (expr);                                                                      \
-    TORCH_CHECK(_e == cudaSuccess, #expr " failed: ", cudaGetErrorString(_e), " at ",      \
-                __FILE__, ":", __LINE__);                                                  \
+// Every refusal here builds its message from strings and raises it as one C string. With torch
+// 2.11 (CUDA 13 wheels) and g++ 13, a TORCH_CHECK message that streams a number (an integer, a
+// size list) crashed the process (SIGSEGV) instead of raising; the scalar type alone did not.
+[[noreturn]] void fail(const std::string& msg) { TORCH_CHECK(false, msg.c_str()); }
+#define CP_CHECK(cond, msg) \
+  do {                      \
+    if (!(cond)) fail(msg); \
+  } while (0)
+std::string num(int64_t v) { return std::to_string(v); }
+std::string dims(c10::IntArrayRef a) {
+  std::string s = "[";
+  for (size_t i = 0; i < a.size(); ++i) s += (i ? ", " : "") + std::to_string(a[i]);
+  return s + "]";
+}
+std::string dev(const torch::Tensor& t) { return t.device().str(); }
+std::string dtype(const torch::Tensor& t) { return c10::toString(t.scalar_type()); }
+
+#define CP_CHECK_RT(expr)                                                                   \
+  do {                                                                                      \
+    auto _e = (expr);                                                                       \
+    CP_CHECK(_e == cudaSuccess, std::string(#expr " failed: ") + cudaGetErrorString(_e) +   \
+                                    " at " __FILE__ ":" + num(__LINE__));                   \
   } while (0)
 
 using cpindex::FingerprintParams;
@@ -34,11 +51,11 @@ void score(const torch::Tensor& q, const torch::Tensor& kv, const c10::optional<
            const torch::Tensor& params_image, const c10::optional<torch::Tensor>& push_image,
            int64_t format, bool wgmma, int64_t split, int64_t grid, int64_t tag) {
   // Validation happened once, in Python (cpindex/validation.py); these are cheap invariants.
-  TORCH_CHECK(params_image.numel() == (int64_t)sizeof(ScoreParams), "ScoreParams image size");
+  CP_CHECK(params_image.numel() == (int64_t)sizeof(ScoreParams), "ScoreParams image size");
   const int fewest = cpindex::score_split_warps((int)format);
-  TORCH_CHECK(split == 0 || (fewest > 0 && split >= fewest && (split == 2 || split == 4)),
-              "split must be 0, or 2 or 4 warps per page where the build splits pages (format ",
-              format, ": ", fewest, " and up), got ", split);
+  CP_CHECK(split == 0 || (fewest > 0 && split >= fewest && (split == 2 || split == 4)),
+           "split must be 0, or 2 or 4 warps per page where the build splits pages (format " +
+               num(format) + ": " + num(fewest) + " and up), got " + num(split));
   ScoreParams p;
   std::memcpy(&p, params_image.data_ptr(), sizeof p);
   // kv/ks arrive as views (cpindex.kernels.launcher.cache_parts): bf16/fp8 [pages, 128, 128];
@@ -68,7 +85,7 @@ void score(const torch::Tensor& q, const torch::Tensor& kv, const c10::optional<
   py::gil_scoped_release no_gil;
   int rc;
   if (push_image.has_value()) {
-    TORCH_CHECK(push_image->numel() == (int64_t)sizeof(PushState), "PushState image size");
+    CP_CHECK(push_image->numel() == (int64_t)sizeof(PushState), "PushState image size");
     PushState ps;
     std::memcpy(&ps, push_image->data_ptr(), sizeof ps);
     ps.q_src = static_cast<const uint8_t*>(q.data_ptr());
@@ -78,23 +95,23 @@ void score(const torch::Tensor& q, const torch::Tensor& kv, const c10::optional<
     p.q = static_cast<const uint8_t*>(q.data_ptr());
     rc = cpindex::launch_score(p, nullptr, (int)format, wgmma, (int)split, (int)grid, stream);
   }
-  TORCH_CHECK(rc == 0, "cpindex score kernel launch failed: ",
-              cudaGetErrorString(static_cast<cudaError_t>(rc)));
+  CP_CHECK(rc == 0, std::string("cpindex score kernel launch failed: ") +
+                          cudaGetErrorString(static_cast<cudaError_t>(rc)));
 }
 
 // The collective transport's merge (launch.h, launch_merge): the image of the local select call
 // whose candidates the all-to-all delivered, launched on the current stream of `device`.
 void merge(const torch::Tensor& params_image, int64_t device) {
-  TORCH_CHECK(params_image.numel() == (int64_t)sizeof(ScoreParams), "ScoreParams image size");
+  CP_CHECK(params_image.numel() == (int64_t)sizeof(ScoreParams), "ScoreParams image size");
   ScoreParams p;
   std::memcpy(&p, params_image.data_ptr(), sizeof p);
-  TORCH_CHECK(p.topk > 0 && p.cand != nullptr, "merge: the image of a select call");
+  CP_CHECK(p.topk > 0 && p.cand != nullptr, "merge: the image of a select call");
   const c10::cuda::CUDAGuard guard((c10::DeviceIndex)device);
   void* stream = at::cuda::getCurrentCUDAStream().stream();
   py::gil_scoped_release no_gil;  // as in score
   const int rc = cpindex::launch_merge(p, stream);
-  TORCH_CHECK(rc == 0, "cpindex merge kernel launch failed: ",
-              cudaGetErrorString(static_cast<cudaError_t>(rc)));
+  CP_CHECK(rc == 0, std::string("cpindex merge kernel launch failed: ") +
+                          cudaGetErrorString(static_cast<cudaError_t>(rc)));
 }
 
 // The plan fingerprint (launch.h, launch_plan_fingerprint; cpindex.fingerprint validates
@@ -103,19 +120,19 @@ void merge(const torch::Tensor& params_image, int64_t device) {
 // its current stream.
 void plan_fingerprint(const torch::Tensor& block_table, const torch::Tensor& seq_lens,
                       int64_t init_blocks, int64_t local_blocks, const torch::Tensor& out) {
-  TORCH_CHECK(block_table.is_cuda() && block_table.dim() == 2 &&
-                  block_table.scalar_type() == torch::kInt32 && block_table.stride(1) == 1,
-              "plan_fingerprint: block_table must be an int32 [requests, cols] GPU tensor with "
-              "contiguous rows");
+  CP_CHECK(block_table.is_cuda() && block_table.dim() == 2 &&
+               block_table.scalar_type() == torch::kInt32 && block_table.stride(1) == 1,
+           "plan_fingerprint: block_table must be an int32 [requests, cols] GPU tensor with "
+           "contiguous rows");
   const int64_t requests = block_table.size(0);
-  TORCH_CHECK(seq_lens.device() == block_table.device() && seq_lens.dim() == 1 &&
-                  seq_lens.size(0) == requests && seq_lens.scalar_type() == torch::kInt32 &&
-                  seq_lens.is_contiguous(),
-              "plan_fingerprint: seq_lens must be a contiguous int32 [", requests, "] tensor on ",
-              block_table.device());
-  TORCH_CHECK(out.device() == block_table.device() && out.numel() == 1 &&
-                  out.scalar_type() == torch::kInt64,
-              "plan_fingerprint: out must be an int64 [1] tensor on ", block_table.device());
+  CP_CHECK(seq_lens.device() == block_table.device() && seq_lens.dim() == 1 &&
+               seq_lens.size(0) == requests && seq_lens.scalar_type() == torch::kInt32 &&
+               seq_lens.is_contiguous(),
+           "plan_fingerprint: seq_lens must be a contiguous int32 [" + num(requests) +
+               "] tensor on " + dev(block_table));
+  CP_CHECK(out.device() == block_table.device() && out.numel() == 1 &&
+               out.scalar_type() == torch::kInt64,
+           "plan_fingerprint: out must be an int64 [1] tensor on " + dev(block_table));
   FingerprintParams f;
   f.block_table = block_table.data_ptr<int32_t>();
   f.bt_row_stride = block_table.stride(0);
@@ -129,8 +146,8 @@ void plan_fingerprint(const torch::Tensor& block_table, const torch::Tensor& seq
   void* stream = at::cuda::getCurrentCUDAStream().stream();
   py::gil_scoped_release no_gil;  // as in score
   const int rc = cpindex::launch_plan_fingerprint(f, stream);
-  TORCH_CHECK(rc == 0, "cpindex plan_fingerprint launch failed: ",
-              cudaGetErrorString(static_cast<cudaError_t>(rc)));
+  CP_CHECK(rc == 0, std::string("cpindex plan_fingerprint launch failed: ") +
+                          cudaGetErrorString(static_cast<cudaError_t>(rc)));
 }
 
 // The fused key writer (launch.h, WriteParams): keys [tokens, 128] float32/bfloat16/float16 with
@@ -142,10 +159,10 @@ void plan_fingerprint(const torch::Tensor& block_table, const torch::Tensor& seq
 void write_keys(const torch::Tensor& keys, const torch::Tensor& slots, const torch::Tensor& kv,
                 const c10::optional<torch::Tensor>& ks, int64_t format, int64_t err_ptr,
                 int64_t err_host_ptr) {
-  TORCH_CHECK(keys.is_cuda() && keys.dim() == 2 && keys.size(1) == cpindex::kHeadDim &&
-                  keys.stride(1) == 1,
-              "write_keys: keys must be a [tokens, 128] GPU tensor with contiguous rows, got ",
-              keys.sizes(), " with strides ", keys.strides(), " on ", keys.device());
+  CP_CHECK(keys.is_cuda() && keys.dim() == 2 && keys.size(1) == cpindex::kHeadDim &&
+               keys.stride(1) == 1,
+           "write_keys: keys must be a [tokens, 128] GPU tensor with contiguous rows, got " +
+               dims(keys.sizes()) + " with strides " + dims(keys.strides()) + " on " + dev(keys));
   int key_dtype = -1;
   switch (keys.scalar_type()) {
     case at::kFloat: key_dtype = 0; break;
@@ -153,15 +170,13 @@ void write_keys(const torch::Tensor& keys, const torch::Tensor& slots, const tor
     case at::kHalf: key_dtype = 2; break;
     default: break;
   }
-  TORCH_CHECK(key_dtype >= 0, "write_keys: keys must be float32, bfloat16 or float16, got ",
-              keys.scalar_type());
-  TORCH_CHECK(slots.device() == keys.device() && slots.scalar_type() == at::kLong &&
-                  slots.dim() == 1 && slots.size(0) == keys.size(0) && slots.is_contiguous(),
-              "write_keys: slots must be a contiguous int64 [", keys.size(0), "] tensor on ",
-              keys.device(), ", got ", slots.scalar_type(), " ", slots.sizes(), " on ",
-              slots.device());
-  TORCH_CHECK(format == cpindex::kBF16 || format == cpindex::kFP8 || format == cpindex::kNVFP4,
-              "write_keys: format must be 0 (bf16), 1 (fp8) or 2 (nvfp4), got ", format);
+  CP_CHECK(key_dtype >= 0, "write_keys: keys must be float32, bfloat16 or float16, got " + dtype(keys));
+  CP_CHECK(slots.device() == keys.device() && slots.scalar_type() == at::kLong &&
+               slots.dim() == 1 && slots.size(0) == keys.size(0) && slots.is_contiguous(),
+           "write_keys: slots must be a contiguous int64 [" + num(keys.size(0)) + "] tensor on " +
+               dev(keys) + ", got " + dtype(slots) + " " + dims(slots.sizes()) + " on " + dev(slots));
+  CP_CHECK(format == cpindex::kBF16 || format == cpindex::kFP8 || format == cpindex::kNVFP4,
+           "write_keys: format must be 0 (bf16), 1 (fp8) or 2 (nvfp4), got " + num(format));
   const bool fp4 = format == cpindex::kNVFP4;
   const auto byte_dtype = [](const torch::Tensor& t) {
     return t.scalar_type() == at::kByte || t.scalar_type() == at::kFloat8_e4m3fn;
@@ -169,25 +184,25 @@ void write_keys(const torch::Tensor& keys, const torch::Tensor& slots, const tor
   const bool kv_dtype_ok = format == cpindex::kBF16 ? kv.scalar_type() == at::kBFloat16
                            : fp4                    ? kv.scalar_type() == at::kByte
                                                     : byte_dtype(kv);
-  TORCH_CHECK(kv.device() == keys.device() && kv_dtype_ok && kv.dim() == 3 &&
-                  kv.size(1) == cpindex::kPageTokens && kv.size(2) == (fp4 ? 64 : 128) &&
-                  kv.stride(2) == 1,
-              "write_keys: kv must be ",
-              format == cpindex::kBF16 ? "a bfloat16 [pages, 128, 128] cache"
-              : fp4                    ? "the nvfp4 values view, uint8 [pages, 128, 64]"
-                                       : "a float8_e4m3fn or uint8 [pages, 128, 128] cache",
-              " on ", keys.device(), " with contiguous rows, got ", kv.scalar_type(), " ",
-              kv.sizes(), " with strides ", kv.strides(), " on ", kv.device());
+  CP_CHECK(kv.device() == keys.device() && kv_dtype_ok && kv.dim() == 3 &&
+               kv.size(1) == cpindex::kPageTokens && kv.size(2) == (fp4 ? 64 : 128) &&
+               kv.stride(2) == 1,
+           std::string("write_keys: kv must be ") +
+               (format == cpindex::kBF16 ? "a bfloat16 [pages, 128, 128] cache"
+                : fp4                    ? "the nvfp4 values view, uint8 [pages, 128, 64]"
+                                         : "a float8_e4m3fn or uint8 [pages, 128, 128] cache") +
+               " on " + dev(keys) + " with contiguous rows, got " + dtype(kv) + " " +
+               dims(kv.sizes()) + " with strides " + dims(kv.strides()) + " on " + dev(kv));
   if (fp4) {
-    TORCH_CHECK(ks.has_value() && ks->device() == keys.device() && byte_dtype(*ks) &&
-                    ks->dim() == 3 && ks->size(0) == kv.size(0) &&
-                    ks->size(1) == cpindex::kPageTokens && ks->size(2) == 8 && ks->stride(2) == 1,
-                "write_keys: nvfp4 needs ks, the scales view uint8 or float8_e4m3fn [",
-                kv.size(0), ", 128, 8] on ", keys.device(), " with contiguous rows");
+    CP_CHECK(ks.has_value() && ks->device() == keys.device() && byte_dtype(*ks) &&
+                 ks->dim() == 3 && ks->size(0) == kv.size(0) &&
+                 ks->size(1) == cpindex::kPageTokens && ks->size(2) == 8 && ks->stride(2) == 1,
+             "write_keys: nvfp4 needs ks, the scales view uint8 or float8_e4m3fn [" +
+                 num(kv.size(0)) + ", 128, 8] on " + dev(keys) + " with contiguous rows");
   } else {
-    TORCH_CHECK(!ks.has_value(), "write_keys: ks is for nvfp4 only (format ", format, ")");
+    CP_CHECK(!ks.has_value(), "write_keys: ks is for nvfp4 only (format " + num(format) + ")");
   }
-  TORCH_CHECK(err_ptr != 0, "write_keys: err_ptr must be an ErrorWord's device address");
+  CP_CHECK(err_ptr != 0, "write_keys: err_ptr must be an ErrorWord's device address");
   if (keys.size(0) == 0) return;
 
   cpindex::WriteParams w{};
@@ -214,8 +229,8 @@ void write_keys(const torch::Tensor& keys, const torch::Tensor& slots, const tor
   void* stream = at::cuda::getCurrentCUDAStream().stream();
   py::gil_scoped_release no_gil;  // as in score: a blocked launch must not stall other ranks
   const int rc = cpindex::launch_write_keys(w, stream);
-  TORCH_CHECK(rc == 0, "cpindex write_keys kernel launch failed: ",
-              cudaGetErrorString(static_cast<cudaError_t>(rc)));
+  CP_CHECK(rc == 0, std::string("cpindex write_keys kernel launch failed: ") +
+                          cudaGetErrorString(static_cast<cudaError_t>(rc)));
 }
 
 int64_t occupancy(int64_t format, int64_t vectors, bool wgmma, int64_t split) {
@@ -270,7 +285,7 @@ py::bytes ipc_handle(int64_t ptr, int64_t device) {
 }
 
 int64_t ipc_open(const std::string& handle, int64_t device) {
-  TORCH_CHECK(handle.size() == sizeof(cudaIpcMemHandle_t), "bad IPC handle size");
+  CP_CHECK(handle.size() == sizeof(cudaIpcMemHandle_t), "bad IPC handle size");
   const c10::cuda::CUDAGuard guard((c10::DeviceIndex)device);
   cudaIpcMemHandle_t h;
   std::memcpy(&h, handle.data(), sizeof h);
