@@ -3,6 +3,7 @@
     python benchmarks/sass_report.py                               # this tree's sm_90a build
     python benchmarks/sass_report.py new= old=../old/cpindex/kernels  # two source trees
     python benchmarks/sass_report.py --order --only nvfp4          # where the loads sit
+    python benchmarks/sass_report.py --triton --only bf16          # beside the Triton scorer
 
 Each ``name=DIR`` compiles ``DIR/score.hip`` (an empty DIR: this tree's ``cpindex/kernels``;
 another checkout's, e.g. a ``git worktree`` of another commit, to compare a change) for sm_90a
@@ -11,7 +12,10 @@ with ``CP_WGMMA=1`` (what an H100/H200 builds), like ``.ci/compile-kernels``. Pe
 bytes and the page loop: the innermost loop around all of the instance's mma instructions, with
 its instruction count, local-memory (spill) loads, generic loads and the most frequent opcodes.
 ``--order`` adds the loop's global loads (``L``) and mma instructions (``M``) in program order,
-which shows how far ahead of its math ptxas issued a tile's loads. Between trees, ``same``
+which shows how far ahead of its math ptxas issued a tile's loads. ``--triton`` adds the Triton
+scorer (``cpindex/bench/triton_baseline.py``, needs ``triton``) compiled for sm_90 at T = 1, 4 and
+8 with 4 heads, as a launch would specialize it: registers, shared memory and its opcodes (it has
+no loop: one page per program). Between trees, ``same``
 marks instances whose SASS is identical to the first tree's: the check that a change meant to
 keep the machine code keeps it.
 
@@ -150,6 +154,42 @@ def _order(loop: list[str]) -> str:
     return "".join("L" if op.startswith("LDG") else "M" if "MMA" in op else "" for op in loop)
 
 
+def triton_report(cuobjdump: str, top: int) -> None:
+    """The Triton scorer's machine code at T = 1, 4, 8 (H = 4), without a GPU."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from cpindex.bench import triton_baseline as tb
+
+    names = list(tb._block_scores_kernel.arg_names)
+    consts = dict(INIT_BLOCKS=0, LOCAL_BLOCKS=1, BLOCK_T=tb.BLOCK, D=tb.DIM, UPCAST=False)
+    types = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "bt_ptr": "*i32", "seq_lens_ptr": "*i32",
+             "out_ptr": "*fp32", "sm_scale": "fp32"}  # fmt: skip
+    # 16-divisible at launch (pointers and row strides): what triton specializes the call on
+    aligned = {"q_ptr", "cache_ptr", "bt_ptr", "seq_lens_ptr", "out_ptr", "stride_qr", "stride_qh",
+               "stride_cp", "stride_btr", "stride_oh"}  # fmt: skip
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in aligned}
+    with tempfile.TemporaryDirectory() as tmp:
+        for t in (1, 4, 8):
+            vp = max(16, triton.next_power_of_2(4 * t))
+            const = dict(consts, T=t, VP=vp)
+            sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in names}
+            src = triton.compiler.ASTSource(tb._block_scores_kernel, sig, const, attrs)
+            k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+            cubin = Path(tmp) / f"t{t}.cubin"
+            cubin.write_bytes(k.asm["cubin"])
+            run = [cuobjdump, "--dump-resource-usage", str(cubin)]
+            usage = subprocess.run(run, capture_output=True, text=True, check=True).stdout
+            regs = re.search(r"REG:(\d+)", usage)[1]
+            static = int(re.search(r"SHARED:(\d+)", usage)[1])
+            sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True,
+                                  text=True, check=True).stdout  # fmt: skip
+            ops = [x[2] for x in map(SASS_LINE.match, sass.split("\n")) if x]
+            print(f"== triton bf16 T={t} (VP={vp}, 4 warps)")
+            print(f"  {regs} regs, {static + k.metadata.shared} B shared | {len(ops)} instrs")
+            print(f"  {_mix(ops, top)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -162,6 +202,7 @@ def main() -> None:
     ap.add_argument(
         "--top", type=int, default=10, help="opcodes listed per page loop (default: 10)"
     )
+    ap.add_argument("--triton", action="store_true", help="add the Triton scorer's machine code")
     args = ap.parse_args()
     trees: dict[str, Path] = {}
     for v in args.trees:
@@ -205,6 +246,8 @@ def main() -> None:
             print(f"  {'':>12}  {_mix(loop, args.top)}")
             if args.order:
                 print(f"  {'':>12}  {_order(loop)}")
+    if args.triton:
+        triton_report(cuobjdump, args.top)
 
 
 if __name__ == "__main__":
