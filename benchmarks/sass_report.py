@@ -181,12 +181,11 @@ def triton_report(cuobjdump: str, top: int) -> None:
             run = [cuobjdump, "--dump-resource-usage", str(cubin)]
             usage = subprocess.run(run, capture_output=True, text=True, check=True).stdout
             regs = re.search(r"REG:(\d+)", usage)[1]
-            static = int(re.search(r"SHARED:(\d+)", usage)[1])
             sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True,
                                   text=True, check=True).stdout  # fmt: skip
             ops = [x[2] for x in map(SASS_LINE.match, sass.split("\n")) if x]
             print(f"== triton bf16 T={t} (VP={vp}, 4 warps)")
-            print(f"  {regs} regs, {static + k.metadata.shared} B shared | {len(ops)} instrs")
+            print(f"  {regs} regs, {k.metadata.shared} B shared | {len(ops)} instrs")
             print(f"  {_mix(ops, top)}")
 
 
