@@ -483,11 +483,14 @@ def test_warpgroup_instance_by_gpu(fmt):
             assert not scorer.grid(requests - 1, 8, False, 8).wgmma  # below the threshold
 
 
-@pytest.mark.parametrize("fmt,t,split", [("bf16", 1, 4), ("bf16", 4, 2), ("fp8", 1, 2)])
+@pytest.mark.parametrize(
+    "fmt,t,split", [("bf16", 1, 4), ("bf16", 4, 2), ("bf16", 8, 4), ("fp8", 1, 2)]
+)
 def test_ring_split_pages_at_every_size(fmt, t, split, monkeypatch):
     """The ring formats split pages past the size whose CTAs fit at once where
     ``launcher.RING_SPLIT_PAGES`` says so: bf16 over four warps with one query tile and two with
-    two, fp8 over two with one; that instance on its whole resident grid, each CTA taking
+    two, and over four with four tiles from ``RING_MIN_ITEMS_PER_SM`` items per SM (whole pages
+    below), fp8 over two with one; that instance on its whole resident grid, each CTA taking
     several rounds of a ragged batch. The reference's scores, and those of whole pages."""
     if torch.version.hip is not None:
         pytest.skip("split pages at scale are for the ring (CUDA builds)")
@@ -499,6 +502,8 @@ def test_ring_split_pages_at_every_size(fmt, t, split, monkeypatch):
     assert prob.requests * prob.width > 4 // split * resident  # several rounds a CTA
     small = scorer.grid(1, 8, False, t)  # fits at once: four warps a page, a CTA per item
     assert small == launcher.LaunchShape(8, False, 4), small
+    below = scorer.grid(prob.requests - 1, prob.width, False, t)  # under the items per SM
+    assert below.split == (0 if t == 8 else split), below
     outs = []
     for table in (launcher.RING_SPLIT_PAGES, ()):
         monkeypatch.setattr(launcher, "RING_SPLIT_PAGES", table)

@@ -97,6 +97,52 @@ CP_DEVICE void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, ui
   }
 }
 
+// Quarter pages (a CTA's four warps on one item, so every warp of the CTA calls prepare_query
+// together): the pass's query fragments once per CTA in shared memory, read per k-step, so that
+// the registers they would hold fit more CTAs per SM (score.hip, kQuerySmem). Pair words (2s,
+// 2s + 1) of n-tile u for lane l sit at ((u * 8 + s) * 32 + l) * 8: a warp's read of one k-step
+// is 256 contiguous bytes.
+template <int NT>
+struct QuerySmem {
+  uint32_t smem;  // this lane's pair of n-tile 0, k-step 0
+};
+
+template <int F, int NT, bool W>
+CP_DEVICE void prepare_query(const ScoreParams& p, const Vecs& vs, int req, int v0, int g, int c,
+                             QuerySmem<NT>& q, float*) {
+  const int warp = threadIdx.x / CP_WARP;  // warp u writes n-tile u
+  static_assert(NT <= kWarpsPerCta, "a warp per n-tile");
+  __syncthreads();  // every warp has read the previous pass's fragments
+  if (warp < NT) {
+    uint32_t qf[16];
+    load_query_pairs<F>(p, vs, req, v0 + kVecsPerTile * warp + g, c, qf);
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+      const uint32_t at = q.smem + warp * 8 * CP_WARP * 8 + s * CP_WARP * 8;
+      asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(at), "r"(qf[2 * s]), "r"(qf[2 * s + 1])
+                   : "memory");
+    }
+  }
+  __syncthreads();
+}
+
+template <int F, int NT, bool W>
+CP_DEVICE void tile_dot(const uint32_t (&k0)[16], const uint32_t (&k1)[16], const QuerySmem<NT>& q,
+                        const float*, int, float (&acc)[NT][4]) {
+#pragma unroll
+  for (int u = 0; u < NT; ++u) acc[u][0] = acc[u][1] = acc[u][2] = acc[u][3] = 0.f;
+#pragma unroll
+  for (int s = 0; s < 8; ++s)
+#pragma unroll
+    for (int u = 0; u < NT; ++u) {
+      uint32_t b0, b1;
+      asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];"
+                   : "=r"(b0), "=r"(b1)
+                   : "r"(q.smem + (u * 8 + s) * CP_WARP * 8));
+      mma16816<Fmt<F>::kBf16>(acc[u], k0[2 * s], k1[2 * s], k0[2 * s + 1], k1[2 * s + 1], b0, b1);
+    }
+}
+
 // Slots {2c, 2c+1, 2c+8, 2c+9} of k-step s hold this lane's values {4s .. 4s+3}: the same
 // permutation on both operands leaves the dot product unchanged. The keys (A) are reused by
 // every n-tile.

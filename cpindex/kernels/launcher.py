@@ -57,14 +57,19 @@ RING_BYTES_PER_SM = 48 * 1024
 RING_MIN_ITEMS_PER_SM = 32
 RING_TILES = 4  # kRingTiles
 
-# The ring formats split pages at every size with these query tiles (T * H <= 8: one, <= 16:
-# two): (format, tiles, warps a page). Calls too large to split at once run on that split
-# instance's whole resident grid, each CTA taking several rounds. On an H100, against whole pages
-# on any grid: bf16 0-2 % faster in quarters with one tile and 0-6 % in halves with two (four
-# warps a page with two tiles 3-20 % slower); fp8 1-6 % faster in halves with one tile (1-18 %
-# slower with two, and with four query tiles every format). docs/kernel.md, "Where the time
-# goes". Only where SPLIT_WARPS holds that split; () keeps whole pages past the resident grid.
-RING_SPLIT_PAGES: tuple[tuple[str, int, int], ...] = (("bf16", 1, 4), ("bf16", 2, 2), ("fp8", 1, 2))
+# The ring formats split pages past what fits at once with these query tiles (T * H <= 8: one,
+# <= 16: two, <= 32: four), from this many items per SM of a rank's share: (format, tiles, warps
+# a page, items per SM). That split instance then runs on its whole resident grid, each CTA
+# taking several rounds. On an H100, against whole pages on any grid: bf16 0-2 % faster in
+# quarters with one tile and 0-6 % in halves with two (four warps a page with two tiles 3-20 %
+# slower); fp8 1-6 % faster in halves with one tile (1-18 % slower with two, and with four
+# query tiles every format). bf16 with four tiles (where the warpgroup instance does not take
+# them) in quarters that keep the queries in shared memory: 1-6 % faster from 62 items per SM,
+# 1-4 % slower at 16 (docs/kernel.md, "Where the time goes"). Only where SPLIT_WARPS holds that
+# split; () keeps whole pages past the resident grid.
+RING_SPLIT_PAGES: tuple[tuple[str, int, int, int], ...] = (
+    ("bf16", 1, 4, 0), ("bf16", 2, 2, 0), ("bf16", 4, 4, RING_MIN_ITEMS_PER_SM), ("fp8", 1, 2, 0)
+)  # fmt: skip
 
 
 def nvfp4_lut() -> torch.Tensor:
@@ -289,9 +294,9 @@ class KernelScorer:
             and (not self._ring_cta_bytes or any(n in self._gpu for n in WGMMA_RING_GPUS))
         )
         # Split pages where the build has a split-page instance and the call's CTAs all fit its
-        # resident grid at once (4 / split items a CTA), and at every size where
-        # RING_SPLIT_PAGES says so; otherwise four warps a CTA, one item each, on at most the
-        # whole-page instance's resident grid.
+        # resident grid at once (4 / split items a CTA), and past that where RING_SPLIT_PAGES
+        # says so; otherwise four warps a CTA, one item each, on at most the whole-page
+        # instance's resident grid.
         fewest = self._splits.get(fid)
         if fewest is None:
             fewest = self._splits[fid] = self.mod.split_warps(fid)
@@ -300,9 +305,17 @@ class KernelScorer:
             if k >= fewest and -(-items * k // WARPS_PER_CTA) <= self._cap(fid, vectors, False, k):
                 split = k
                 break
-        tiles = -(-vectors // 8)
+        # the kernel's query tiles per pass (score.hip query_tiles); 0: several passes
+        tiles = 1 if vectors <= 8 else 2 if vectors <= 16 else 4 if vectors <= 32 else 0
         every = next(
-            (w for f, n, w in RING_SPLIT_PAGES if structs.FORMAT_IDS[f] == fid and n == tiles), 0
+            (
+                w
+                for f, n, w, per_sm in RING_SPLIT_PAGES
+                if structs.FORMAT_IDS[f] == fid
+                and n == tiles
+                and items * self._ranks_per_device >= per_sm * self._sms
+            ),
+            0,
         )
         if (
             not split

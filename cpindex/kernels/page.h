@@ -206,9 +206,9 @@ CP_DEVICE void score_pages_smem(const ScoreParams& p, int m, PageOf page_of, con
 // kTiles tiles of a page from tile t_first: a warp's part of a split page. The part fits the
 // ring, so all its tiles are in flight at once (a split call has few pages: what it waits for is
 // their round trip, not their bytes).
-template <int F, int NT, bool W, int kTiles>
+template <int F, int NT, bool W, int kTiles, typename Q>
 CP_DEVICE void score_part_smem(const ScoreParams& p, const PageRef& pr, const Cuts<NT>& cuts,
-                               const QueryFrag<NT, W>& q, int g, int c, uint8_t* ring, int t_first,
+                               const Q& q, int g, int c, uint8_t* ring, int t_first,
                                float (&val)[NT][2]) {
   static_assert(kTiles <= kSplitTiles, "a split page's part fits the ring");
   const int lane = 4 * g + c;

@@ -22,6 +22,7 @@
 // (one page), select.h (select_blocks' selection), write.h (the key writer, its own kernel); this
 // file holds the scoring kernel and its launcher.
 #include <atomic>
+#include <type_traits>
 
 #include "config.h"
 #include "keys.h"
@@ -75,17 +76,26 @@ constexpr int kDynSmem =
     0;
 #endif
 
+// bf16 quarter pages with four query tiles keep the pass's queries in shared memory (QuerySmem,
+// dot.h) instead of 64 registers: 4 CTAs per SM instead of 2. With one or two tiles registers do
+// not limit them (docs/kernel.md, "Tried and not shipped").
+template <int F, int NT, int S>
+constexpr bool kQuerySmem = CP_USE_MMA && F == kBF16 && S == kWarpsPerCta && NT == 4;
+
 // CTAs per SM the register allocation must leave room for (CUDA): ptxas otherwise spends
 // registers where they buy nothing, and a step down in occupancy costs more than a little
 // scheduling freedom. The tile count per pass sets how much each warp must hold; the split-page
 // instances (S) take their whole-page instance's target.
 // Four query tiles with mma.sync: 0 leaves ptxas its own choice (255 registers, 2 CTAs); a
-// 3-CTA cap spills a little, which costs small batches more than it gains large ones.
+// 3-CTA cap spills a little, which costs small batches more than it gains large ones. The
+// quarters that keep their queries in shared memory are built for 3: ptxas takes 122 registers
+// (4 CTAs fit), where a 4-CTA cap (128) spills inside the page loop.
 template <int F, int NT, bool W, int S>
-constexpr int kMinCtas = W         ? (F == kBF16 ? 3 : 4)
-                         : NT == 4 ? 0
-                         : NT == 2 ? (F == kBF16 ? 3 : 4)
-                                   : (F == kFP8 ? 5 : 4);
+constexpr int kMinCtas = kQuerySmem<F, NT, S> ? 3
+                         : W                  ? (F == kBF16 ? 3 : 4)
+                         : NT == 4            ? 0
+                         : NT == 2            ? (F == kBF16 ? 3 : 4)
+                                              : (F == kFP8 ? 5 : 4);
 #if CP_USE_MMA  // the tensor-core instances; the portable path keeps ptxas's choice
 #define CP_BOUNDS __launch_bounds__(kThreads, (kMinCtas<F, NT, W, S>))
 #else
@@ -131,7 +141,8 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   __shared__ float stash_all[kWarpsPerCta * kStashRows][kVecsPerTile * NT];
   float(*stash)[kVecsPerTile * NT] = stash_all + (W ? 0 : warp * kStashRows);
 #if CP_USE_MMA
-  __shared__ __align__(128) uint8_t q_b[W ? 8 * 1024 : 16];  // B operand (warpgroup mma)
+  // B operand (warpgroup mma), or the queries of quarter pages (QuerySmem)
+  __shared__ __align__(128) uint8_t q_b[W ? 8 * 1024 : kQuerySmem<F, NT, S> ? NT * 2048 : 16];
 #endif
   __shared__ int cta_failed;
   __shared__ int is_last;
@@ -245,9 +256,13 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
     }
     const int per_req = (kw + group - 1) / group;
     const int64_t groups = (int64_t)p.requests * per_req;
-    QueryFrag<NT, W> q;
 #if CP_USE_MMA
+    using Query = std::conditional_t<kQuerySmem<F, NT, S>, QuerySmem<NT>, QueryFrag<NT, W>>;
+    Query q;
     if constexpr (W) q.smem = cp_smem_addr(q_b);
+    if constexpr (kQuerySmem<F, NT, S>) q.smem = cp_smem_addr(q_b) + lane * 8;
+#else
+    QueryFrag<NT, W> q;
 #endif
     int cur_req = -1, cur_v0 = -1;
     const int64_t first = W || split ? (int64_t)blockIdx.x * per_cta
