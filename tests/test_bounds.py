@@ -248,6 +248,20 @@ def test_negative_lengths_are_refused_on_the_host():
         _one_rank_push(seq_lens=lens)
 
 
+def test_the_kernels_head_divisions_are_exact_over_their_range():
+    """The kernel divides query vector indices (under MAX_QUERY_LEN x 16) by the head count with
+    the launcher's magic number (keys.h, div_small): exact there, refused past 16 heads."""
+    from cpindex.config import MAX_QUERY_LEN
+    from cpindex.kernels.launcher import div_magic
+
+    for d in range(1, 17):
+        m = div_magic(d)
+        assert all((x * m) >> 16 == x // d for x in range(MAX_QUERY_LEN * 16))
+    for d in (0, 17, -1):
+        with pytest.raises(ValueError, match="head count of 1 to 16"):
+            div_magic(d)
+
+
 # --------------------------------------------------------------------------- NaN and Inf
 
 

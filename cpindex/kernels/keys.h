@@ -154,6 +154,12 @@ CP_DEVICE void unpack(const TileRegs<F>& t, int s, const uint4* lut, const uint2
   }
 }
 
+// x / d as (x * m) >> 16 with m = ceil(2^16 / d) (ScoreParams' magic numbers, made by the
+// launcher): exact for x >= 0 and x * (d - 1) < 2^16, here vector indices under 128 over at most
+// 16 heads. A warp divides vector indices by the head count before its first page request and
+// again to write its scores; a division took some 25 dependent instructions.
+CP_DEVICE int div_small(int x, uint32_t m) { return (int)(((uint32_t)x * m) >> 16); }
+
 // The query vectors of one item: vector v = t * H + h (token t of the request, head h).
 struct Vecs {
   int count;      // T * H
@@ -170,10 +176,12 @@ CP_DEVICE void load_query_pairs(const ScoreParams& p, const Vecs& vs, int req, i
     for (int m = 0; m < 16; ++m) qf[m] = 0u;
     return;
   }
-  const int h = v % vs.heads, row = req * vs.query_len + v / vs.heads;
+  const int t = div_small(v, p.heads_magic), h = v - t * vs.heads;
+  const int src = div_small(h, p.q_src_magic), in_src = h - src * p.q_heads_per_src;
   const int elem = Fmt<F>::kBf16 ? 2 : 1;
-  const uint8_t* base = p.q + (int64_t)(h / p.q_heads_per_src) * p.q_src_stride +
-                        (int64_t)row * p.q_row_stride + (h % p.q_heads_per_src) * kHeadDim * elem;
+  const uint8_t* base = p.q + (int64_t)src * p.q_src_stride +
+                        (int64_t)(req * vs.query_len + t) * p.q_row_stride +
+                        in_src * kHeadDim * elem;
   if constexpr (Fmt<F>::kRing) {  // the ring's pairs are adjacent dims, one word or half-word each
 #pragma unroll
     for (int m = 0; m < 16; ++m) {

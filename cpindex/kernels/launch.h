@@ -88,6 +88,7 @@ struct ScoreParams {
   int64_t q_src_stride;
   int64_t q_row_stride;
   int q_heads_per_src;
+  uint32_t q_src_magic;  // ceil(2^16 / q_heads_per_src): keys.h, div_small
   // block table and lengths (int32)
   const int32_t* block_table;
   int64_t bt_row_stride;
@@ -96,6 +97,7 @@ struct ScoreParams {
   // problem: requests * query_len query rows, request-major; block_table/seq_lens per request
   int requests, query_len, width, num_heads, rank, world, init_blocks, local_blocks;
   float scale;  // sm_scale, before the format's unit correction
+  uint32_t heads_magic;  // ceil(2^16 / num_heads): keys.h, div_small
   // output: head h, copy c -> dst[h * dst_copies + c] + row * out_row_stride + column,
   // column = j (full layout) or k = (j - rank) / world (shard layout)
   float* dst[kMaxDst];

@@ -88,6 +88,14 @@ def nvfp4_lut() -> torch.Tensor:
     return torch.cat([f16.reshape(-1), e4m3.reshape(-1)]).contiguous()
 
 
+def div_magic(d: int) -> int:
+    """ceil(2**16 / d): the kernel divides a query vector index x by d as (x * m) >> 16, exact
+    while x * (d - 1) < 2**16 (keys.h, div_small); its indices stay under MAX_QUERY_LEN * 16."""
+    if not 1 <= d <= 16:
+        raise ValueError(f"a head count of 1 to 16 was expected, got {d}")
+    return -(-(1 << 16) // d)
+
+
 def cache_parts(index_cache: formats.Cache) -> tuple[torch.Tensor, torch.Tensor | None]:
     """What the binding reads (or writes) keys through: ``(kv, ks)``. bf16/fp8: the cache and
     None. nvfp4 (a page-major tensor or the pair): zero-copy views of the values ``[pages, 128,
@@ -381,6 +389,7 @@ class KernelScorer:
             q_heads_per_src,
         )
         p.requests, p.query_len, p.width, p.num_heads = requests, query_len, width, self.num_heads
+        p.q_src_magic, p.heads_magic = div_magic(q_heads_per_src), div_magic(self.num_heads)
         p.fp4_lut = self._lut.data_ptr() if self._lut is not None else 0
         p.rank, p.world = self.rank, self.world
         p.init_blocks, p.local_blocks = init_blocks, local_blocks

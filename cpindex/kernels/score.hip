@@ -43,8 +43,8 @@ struct VecOut {
   int h, row, cut;
 };
 
-CP_DEVICE VecOut vec_out(const Vecs& vs, int req, int v, bool on) {
-  const int t = v / vs.heads;
+CP_DEVICE VecOut vec_out(const ScoreParams& p, const Vecs& vs, int req, int v, bool on) {
+  const int t = div_small(v, p.heads_magic);
   return {on && v < vs.count, v - t * vs.heads, req * vs.query_len + t, vs.query_len - 1 - t};
 }
 
@@ -337,7 +337,8 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
         for (int u = 0; u < NT; ++u)
 #pragma unroll
           for (int e = 0; e < 2; ++e)
-            cuts.cut[u][e] = p.query_len - 1 - (v0 + kVecsPerTile * u + 2 * c + e) / vs.heads;
+            cuts.cut[u][e] =
+                p.query_len - 1 - div_small(v0 + kVecsPerTile * u + 2 * c + e, p.heads_magic);
         if (reads > 0) {
           if (i != cur_req || v0 != cur_v0) {
             prepare_query<F, NT, W>(p, vs, i, v0, g, c, q, q_smem);
@@ -394,7 +395,7 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
         // each round (a slice per item: all of a warp's lanes store at once).
         constexpr int kSlices = CP_WARP / (kVecsPerTile * NT);
         const int xv = lane % per_pass, slice = lane / per_pass;
-        const VecOut o = vec_out(vs, i, v0 + xv, slice < kSlices);
+        const VecOut o = vec_out(p, vs, i, v0 + xv, slice < kSlices);
         const bool writer = !split || sharer == 0;  // a split page's item is written once
         for (int l0 = W ? warp : 0; writer && l0 < count; l0 += kSpan * kSlices) {
           const int l = l0 + kSpan * slice, src = l < count ? l : 0;
