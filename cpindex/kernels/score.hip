@@ -89,11 +89,13 @@ constexpr bool kQuerySmem = CP_USE_MMA && F == kBF16 && S == kWarpsPerCta && NT 
 // Four query tiles with mma.sync: 0 leaves ptxas its own choice (255 registers, 2 CTAs); a
 // 3-CTA cap spills a little, which costs small batches more than it gains large ones. The
 // quarters that keep their queries in shared memory are built for 3: ptxas takes 122 registers
-// (4 CTAs fit), where a 4-CTA cap (128) spills inside the page loop.
+// (4 CTAs fit), where a 4-CTA cap (128) spills inside the page loop. fp8's four-tile halves are
+// built for 2: left to itself ptxas took 168 registers and spilled around each group, which cost
+// the small calls that split (docs/kernel.md, "Registers").
 template <int F, int NT, bool W, int S>
 constexpr int kMinCtas = kQuerySmem<F, NT, S> ? 3
                          : W                  ? (F == kBF16 ? 3 : 4)
-                         : NT == 4            ? 0
+                         : NT == 4            ? (F == kFP8 && S == 2 ? 2 : 0)
                          : NT == 2            ? (F == kBF16 ? 3 : 4)
                                               : (F == kFP8 ? 5 : 4);
 #if CP_USE_MMA  // the tensor-core instances; the portable path keeps ptxas's choice
