@@ -319,6 +319,7 @@ py::dict params_layout() {
   CP_FIELD(ScoreParams, kv_token_stride); CP_FIELD(ScoreParams, fp4_lut);
   CP_FIELD(ScoreParams, requests); CP_FIELD(ScoreParams, query_len);
   CP_FIELD(ScoreParams, q); CP_FIELD(ScoreParams, q_heads_per_src);
+  CP_FIELD(ScoreParams, q_src_magic); CP_FIELD(ScoreParams, heads_magic);
   CP_FIELD(ScoreParams, block_table); CP_FIELD(ScoreParams, bt_cols); CP_FIELD(ScoreParams, seq_lens);
   CP_FIELD(ScoreParams, scale); CP_FIELD(ScoreParams, dst);
   CP_FIELD(ScoreParams, dst_copies); CP_FIELD(ScoreParams, out_row_stride);
