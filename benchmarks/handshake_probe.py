@@ -1,5 +1,6 @@
 """A stress probe of the one-process world's `ipc` handshake on one GPU (docs/design.md, the
-one-process world's rules; docs/BENCHMARKS.md, "GPU test results"): does code run between pushes stall it?
+one-process world's rules; docs/BENCHMARKS.md, "GPU test results"): does code run between
+pushes stall it?
 
     python benchmarks/handshake_probe.py VARIANT [WORLD]      # or: bash benchmarks/device.sh probe
 
