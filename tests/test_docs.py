@@ -123,12 +123,20 @@ def _free_port() -> int:
 
 
 def test_the_getting_started_step_runs_as_written(tmp_path):
-    """docs/usage.md's first Python block, unchanged, as a world of one process on the CPU."""
+    """docs/usage.md's first Python block as written, a world of one process on the CPU, its
+    last selection checked against the reference."""
     text = (ROOT / "docs" / "usage.md").read_text()
     m = re.search(r"^## Getting started\n.*?```python\n(.*?)```", text, re.S | re.M)
     assert m, "docs/usage.md: no Python block under '## Getting started'"
+    code = m.group(1)
+    assert "\ncp.close()" in code
+    check = (  # the last layer's blocks, as the reference selects them (one rank: all heads)
+        "want = cpindex.reference.select_blocks(iq, cache, block_table, seq_lens, init_blocks=0,"
+        " local_blocks=1, width=block_table.shape[1], query_len=T, topk=16)\n"
+        "assert torch.equal(ids, want), (ids, want)\n"
+    )
     script = tmp_path / "step.py"
-    script.write_text(m.group(1))
+    script.write_text(code.replace("\ncp.close()", "\n" + check + "cp.close()", 1))
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     env.update(MASTER_PORT=str(_free_port()), CUDA_VISIBLE_DEVICES="")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
