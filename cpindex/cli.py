@@ -5,6 +5,16 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import NoReturn
+
+from .cli_common import (
+    BENCH_EXTRA,
+    FORMATS,
+    NVFP4_FORMS,
+    TRANSPORTS,
+    UsageError,
+    first_error,
+)
 
 DESCRIPTION = (
     "cpindex: context-parallel decode block scoring for MiniMax-M3 sparse attention. "
@@ -13,26 +23,6 @@ DESCRIPTION = (
     "crossover); 'info' shows this "
     "machine's GPUs and what transport 'auto' would pick."
 )
-BENCH_EXTRA = "pip install cpindex[bench]"
-GPU_TRANSPORTS = ("ipc", "mori")  # the transports that need GPUs
-TRANSPORTS = ["auto", "ipc", "mori", "collective"]
-FORMATS = ["bf16", "fp8", "nvfp4"]
-# cpindex.testing.NVFP4_FORMS but page_major (plain nvfp4), spelled out: no torch import here
-NVFP4_FORMS = [f"nvfp4-{f}" for f in ("page_major_3d", "pool", "pair", "interleaved")]
-
-
-class UsageError(ValueError):
-    """An argument this run cannot use, found before any rank starts: printed as one line,
-    exit status 2."""
-
-
-def first_error(e: ValueError) -> str:
-    """The first message of ``e`` on one line (pydantic's ValidationError: its first error)."""
-    errors = getattr(e, "errors", None)
-    if callable(errors):
-        return str(errors()[0]["msg"]).removeprefix("Value error, ")
-    lines = str(e).strip().splitlines()
-    return lines[0] if lines else type(e).__name__
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -43,6 +33,14 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None:
             return action.help
         return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors in the one style of every other refusal: one line
+    ``cpindex COMMAND: error: ...``, exit status 2 (no usage block)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
 
 
 def _parse_ints(text: str) -> list[int]:
@@ -87,7 +85,7 @@ def _names(choices: list[str]):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="cpindex",
         description=DESCRIPTION,
         formatter_class=_Formatter,
@@ -256,13 +254,46 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_OOM_WORDS = ("out of memory", "can't allocate memory", "cannot allocate memory")
+
+
+def _out_of_memory(type_name: str, message: str) -> bool:
+    return type_name in ("OutOfMemoryError", "MemoryError") or any(
+        w in message.lower() for w in _OOM_WORDS
+    )
+
+
+def _failure(e: BaseException) -> tuple[int, str] | None:
+    """The exit status and one line for a failure the user can cause or fix (bad input, a
+    refusal, too little memory, a kernel this machine cannot build); None for a bug, whose
+    traceback is the report."""
+    from .errors import CPIndexError, TransportUnavailable
+    from .spawn import RanksFailed
+
+    if isinstance(e, UsageError):
+        return 2, str(e)
+    if isinstance(e, RanksFailed):
+        f = e.primary
+        if f.type_name == "ProcessExit" and "SIGKILL" in f.message:
+            return 2, f"{f.line()} (most likely out of memory: lower the sizes)"
+        if _out_of_memory(f.type_name, f.message):
+            return 2, f"{f.line().splitlines()[0]} (lower the sizes)"
+        return (2, str(e)) if f.expected else None
+    if _out_of_memory(type(e).__name__, str(e)):
+        return 2, f"{type(e).__name__}: {first_error(e)} (lower the sizes)"
+    if isinstance(e, (ValueError, TypeError, TransportUnavailable)):
+        return 2, f"{type(e).__name__}: {first_error(e)}"
+    if isinstance(e, CPIndexError):  # a peer's failure or a timeout: not the user's doing
+        return 1, f"{type(e).__name__}: {first_error(e)}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns the exit status: 0 done, 1 a check failed (the demo's
+    mismatch) or the run failed on its own, 2 the user's error (one line on stderr)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from .errors import CPIndexError
-    from .spawn import RanksFailed
-
     try:
         if args.cmd == "demo":
             from . import demo
@@ -281,17 +312,13 @@ def main(argv: list[str] | None = None) -> int:
 
         info_main()
         return 0
-    except UsageError as e:
-        print(f"cpindex {args.cmd}: error: {e}", file=sys.stderr)
-        return 2
-    except RanksFailed as e:
-        if not e.primary.expected:
-            raise  # a bug: its traceback (the rank's, attached) is the report
-        print(f"cpindex {args.cmd}: error: {e}", file=sys.stderr)
-        return 1
-    except (ValueError, TypeError, CPIndexError) as e:  # a refusal in the one-process world
-        print(f"cpindex {args.cmd}: error: {type(e).__name__}: {first_error(e)}", file=sys.stderr)
-        return 1
+    except Exception as e:
+        failure = _failure(e)
+        if failure is None:
+            raise  # a bug: its traceback (a rank's, attached) is the report
+        code, line = failure
+        print(f"cpindex {args.cmd}: error: {line}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

@@ -115,11 +115,22 @@ def test_demo_help_lists_options(capsys):
         assert opt in out
 
 
-@pytest.mark.parametrize("args", [[], ["demo", "--format", "int4"], ["frobnicate"]])
-def test_bad_arguments_exit_2(capsys, args):
-    code, _, err = _main(capsys, *args)
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        ([], "cpindex: error: the following arguments are required: COMMAND"),
+        (["demo", "--format", "int4"], "cpindex demo: error: argument --format: invalid choice"),
+        (["frobnicate"], "cpindex: error: argument COMMAND: invalid choice: 'frobnicate'"),
+        (["bench", "--kernel", "--gate"], "cpindex bench: error: argument --gate: not allowed"),
+    ],
+)
+def test_bad_arguments_exit_2_in_one_line(capsys, args, says):
+    """argparse's own errors come in the style of every other refusal: one line, no usage
+    block, exit 2."""
+    code, out, err = _main(capsys, *args)
     assert code == 2
-    assert "usage: cpindex" in err
+    assert err.startswith(says) and err.count("\n") == 1, err
+    assert "usage:" not in err and out == ""
 
 
 @pytest.mark.parametrize(
@@ -371,3 +382,90 @@ def test_gate_config_is_built_from_the_spec_and_the_world():
     assert (cfg.transport, cfg.cache_format, cfg.world_size) == ("collective", "fp8", 2)
     assert (cfg.max_rows, cfg.max_query_len, cfg.max_width) == (18, 3, 24)
     assert cfg.cp_min_blocks == "auto" and gate_sweep.config(spec, None, 0).cp_min_blocks == 0
+
+
+# ------------------------------------------------------------------ misuse, as a user meets it
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        # 409 GB of float32 keys per rank: refused from the memory model, nothing allocated
+        (["demo", "--context", "100000000"], "cpindex demo: error: --rows 8 --context 100000000 "
+         "on 4 ranks needs about "),
+        (["demo", "--rows", "4000", "--context", "65536"], "cpindex demo: error: --rows 4000 "
+         "--context 65536 on 4 ranks needs about "),
+        (["demo", "--rows", "100000"], "cpindex demo: error: --rows 100000 --context 8192: "
+         "max_rows=100000: "),
+        (["demo", "--context", "200000000"], "cpindex demo: error: --rows 8 --context 200000000: "
+         "max_width=1562500: "),
+        (["bench", "--out", "/nonexistent/x.json"], "cpindex bench: error: --out "
+         "/nonexistent/x.json: directory '/nonexistent' does not exist"),
+        (["bench", "--context", "100000000"], "cpindex bench: error: --rows 8 --context "
+         "100000000 on 4 ranks needs about "),
+        (["demo", "--format", "int4"], "cpindex demo: error: argument --format: invalid choice"),
+    ],
+)  # fmt: skip
+def test_misuse_is_one_line_and_exit_2(tmp_path, argv, says):
+    """What a user can get wrong, run as they run it: one line on stderr, exit 2, in seconds
+    (sizes refused from the library's buffer model and the machine's free memory before
+    anything is allocated; the output path before the run)."""
+    res = _cpindex(*argv, timeout=60, env={"TMPDIR": str(tmp_path)})
+    assert res.returncode == 2, (res.stdout, res.stderr[-3000:])
+    assert res.stderr.startswith(says), res.stderr
+    assert res.stderr.count("\n") == 1, res.stderr
+    assert res.stdout == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unwritable_outputs_are_refused_before_the_run(capsys, tmp_path):
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o500)
+    try:
+        for argv, says in [
+            (["--out", str(tmp_path)], "is a directory"),
+            (["--out", str(folder / "x.json")], "not writable"),
+            (["--plot", str(tmp_path / "no" / "x.png")], "does not exist"),
+        ]:
+            code, out, err = _main(capsys, "bench", *argv)
+            if os.geteuid() == 0 and says == "not writable":
+                continue  # root writes anywhere
+            assert code == 2 and says in err and err.count("\n") == 1, err
+            assert out == ""
+    finally:
+        folder.chmod(0o700)
+
+
+def test_pydantic_refusals_name_the_field_and_value():
+    from cpindex.cli_common import first_error
+    from cpindex.config import CPIndexConfig
+
+    with pytest.raises(ValueError) as e:
+        CPIndexConfig(max_rows=100000)
+    assert first_error(e.value).startswith("max_rows=100000: Input should be less than")
+    with pytest.raises(ValueError) as e:
+        CPIndexConfig(world_size=3)  # a model check: no field to name
+    assert first_error(e.value).startswith("num_heads (4) and world_size (3) must divide")
+
+
+def test_a_rank_out_of_memory_is_one_line_exit_2():
+    """A rank that runs out of memory anyway (the model missed it, or memory went elsewhere)
+    or is killed for it: one line, exit 2; a rank's bug keeps its traceback."""
+    from cpindex import cli
+    from cpindex.spawn import RankFailure, RanksFailed
+
+    def failed(type_name, message, expected=False):
+        return RanksFailed([RankFailure(1, type_name, message, "tb", expected, 0.0)])
+
+    oom = failed("RuntimeError", "DefaultCPUAllocator: can't allocate memory: you tried ...")
+    assert cli._failure(oom) == (
+        2, "rank 1: RuntimeError: DefaultCPUAllocator: can't allocate memory: you tried ... "
+        "(lower the sizes)",
+    )  # fmt: skip
+    code, line = cli._failure(failed("ProcessExit", "the process was killed by SIGKILL"))
+    assert code == 2 and "most likely out of memory" in line
+    assert cli._failure(failed("ValueError", "iq: bad", expected=True))[0] == 2
+    assert cli._failure(failed("AssertionError", "x")) is None  # a bug: the traceback
+    assert cli._failure(MemoryError())[0] == 2
+    assert cli._failure(KeyError("x")) is None
