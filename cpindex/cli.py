@@ -1,4 +1,4 @@
-"""Command line: ``python -m cpindex {demo,bench,info}`` (also the ``cpindex`` script)."""
+"""Command line: ``python -m cpindex {demo,bench,build,info}`` (also the ``cpindex`` script)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ DESCRIPTION = (
     "cpindex: context-parallel decode block scoring for MiniMax-M3 sparse attention. "
     "'demo' runs one decode step on a W-rank world and checks every rank against the "
     "reference; 'bench' times the transports (or the kernel alone, or the CP gate's "
-    "crossover); 'info' shows this "
+    "crossover); 'build' builds the kernel's modules ahead of first use; 'info' shows this "
     "machine's GPUs and what transport 'auto' would pick."
 )
 
@@ -70,6 +70,13 @@ def _count(text: str) -> int:
     if len(values) != 1 or values[0] < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: expected one integer >= 1")
     return values[0]
+
+
+def _archs(text: str) -> list[str]:
+    archs = [a.strip() for a in text.split(",")]
+    if not all(archs):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma list, e.g. sm_90,gfx942")
+    return archs
 
 
 def _names(choices: list[str]):
@@ -244,6 +251,32 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"draw the results into this PNG, needs {BENCH_EXTRA} (default: no plot)",
     )
 
+    k = sub.add_parser(
+        "build",
+        help="build the kernel's modules into the cache ahead of first use (container images)",
+        description="Builds the base module and each format's module for each architecture into "
+        "the cache (CPINDEX_CACHE_DIR, default ~/.cache/cpindex), as a process's first use would, "
+        "and prints how long each took to build (or find) and load. Needs a CUDA or ROCm build of "
+        "torch and its compiler (nvcc, hipcc), not a GPU: name the target with --arch where none "
+        "is visible.",
+        formatter_class=_Formatter,
+    )
+    k.add_argument(
+        "--arch",
+        type=_archs,
+        metavar="LIST",
+        default=None,
+        help="comma list of GPU architectures, e.g. sm_90 or gfx942,gfx950 (default: the visible "
+        "GPUs'; needed without a GPU)",
+    )
+    k.add_argument(
+        "--formats",
+        type=_names(FORMATS),
+        metavar="LIST",
+        default=",".join(FORMATS),
+        help="comma list of cache formats whose modules to build (the base module is always built)",
+    )
+
     sub.add_parser(
         "info",
         help="detected hardware and what transport 'auto' would pick",
@@ -252,6 +285,35 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_Formatter,
     )
     return parser
+
+
+def _build(archs: list[str] | None, formats: list[str]) -> int:
+    """``cpindex build``: every module a process may load, per architecture, into the cache."""
+    import torch
+
+    from .kernels import build
+
+    if archs is None:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not gpus:
+            raise UsageError("no GPU visible: name the target with --arch (e.g. sm_90, gfx942)")
+        archs = sorted({build.device_arch(torch.device("cuda", i)) for i in range(gpus)})
+        torch.cuda.init()  # the load times then include the modules' load onto the GPU
+    for arch in archs:
+        try:
+            build.check_arch(arch)
+        except build.KernelUnavailable as e:
+            raise UsageError(f"--arch {arch}: {e}") from None
+    for arch in archs:
+        try:
+            done = build.prebuild(arch, [None, *formats])
+        except build.KernelUnavailable as e:  # a compiler error: its whole output is the report
+            print(f"cpindex build: error: {e}", file=sys.stderr)
+            return 1
+        for name, built, secs in done:
+            print(f"{name}: {'built and loaded' if built else 'loaded (cached)'} in {secs:.1f} s")
+    print(f"cache: {build.cache_dir()}")
+    return 0
 
 
 _OOM_WORDS = ("out of memory", "can't allocate memory", "cannot allocate memory")
@@ -308,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
 
             bench_main(args)
             return 0
+        if args.cmd == "build":
+            return _build(args.arch, args.formats.split(","))
         from .info import main as info_main
 
         info_main()

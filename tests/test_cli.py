@@ -469,3 +469,34 @@ def test_a_rank_out_of_memory_is_one_line_exit_2():
     assert cli._failure(failed("AssertionError", "x")) is None  # a bug: the traceback
     assert cli._failure(MemoryError())[0] == 2
     assert cli._failure(KeyError("x")) is None
+
+
+_CPU_TORCH = not (torch.version.cuda or torch.version.hip)
+
+
+@pytest.mark.skipif(not _CPU_TORCH, reason="a CPU build of torch's refusals")
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["build"], "cpindex build: error: no GPU visible: name the target with --arch"),
+        (["build", "--arch", "sm_90"], "cpindex build: error: --arch sm_90: this torch ("),
+        (["build", "--arch", "gfx942", "--formats", "fp8"], "cpindex build: error: --arch "
+         "gfx942: this torch ("),
+        (["build", "--formats", "int4"], "cpindex build: error: argument --formats: 'int4'"),
+    ],
+)  # fmt: skip
+def test_build_without_what_it_needs_is_one_line_exit_2(tmp_path, argv, says):
+    """``cpindex build`` where it cannot build (no GPU and no --arch; a torch without CUDA or
+    ROCm): one line, exit 2, nothing written to the cache."""
+    res = _cpindex(*argv, timeout=60, env={"CPINDEX_CACHE_DIR": str(tmp_path / "cache")})
+    assert res.returncode == 2, (res.stdout, res.stderr[-3000:])
+    assert res.stderr.startswith(says) and res.stderr.count("\n") == 1, res.stderr
+    assert not (tmp_path / "cache").exists()
+
+
+def test_build_help_names_the_cache_and_arch(capsys):
+    code, out, err = _main(capsys, "build", "--help")
+    assert code == 0, err
+    text = " ".join(out.split())
+    for shown in ("--arch LIST", "gfx942", "CPINDEX_CACHE_DIR", "(default: bf16,fp8,nvfp4)"):
+        assert shown in text, shown

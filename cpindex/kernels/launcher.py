@@ -258,7 +258,7 @@ class KernelScorer:
         ranks_per_device: int = 1,
         portable: bool = False,
     ) -> None:
-        self.mod = load(device, portable=portable)
+        self.mod = load(device, fmt, portable=portable)
         self.device = device
         self.fmt_id = structs.FORMAT_IDS[fmt]
         self.elem = 2 if fmt == "bf16" else 1
