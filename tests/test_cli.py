@@ -403,6 +403,8 @@ def test_gate_config_is_built_from_the_spec_and_the_world():
          "/nonexistent/x.json: directory '/nonexistent' does not exist"),
         (["bench", "--context", "100000000"], "cpindex bench: error: --rows 8 --context "
          "100000000 on 4 ranks needs about "),
+        (["bench", "--gate", "--rows", "4000", "--context", "64k"], "cpindex bench: error: "
+         "--rows 4000 --context 65536 on 4 ranks needs about "),
         (["demo", "--format", "int4"], "cpindex demo: error: argument --format: invalid choice"),
     ],
 )  # fmt: skip

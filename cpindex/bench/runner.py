@@ -115,24 +115,32 @@ def ab_spec(args: argparse.Namespace, gpu: bool) -> ab.Spec:
 
 
 def _check_ab_memory(spec: ab.Spec, gpu: bool) -> None:
-    """Refuse an A/B whose largest shape this machine's memory cannot hold. A rank holds one
-    format's instances (one per transport) and one shape's problem at a time: built on the host
-    by ``testing.make_problem`` on a CPU machine, random pages made on the GPU otherwise, where
-    rank 0 also times a 1 GiB copy."""
-    gpus = torch.cuda.device_count() if gpu else 0
+    """Refuse an A/B whose largest shape this machine's memory cannot hold: a rank holds one
+    format's instances at a time, one per transport."""
     cfgs = ab.configs(spec, spec.world)
     buffers = max(
         sum(cfgs[f, t].buffer_bytes(spec.world) for t in spec.transports) for f in spec.formats
     )
-    bpt = max(formats.BYTES_PER_TOKEN[f] for f in spec.formats)
-    host, cache = problem_bytes(max(spec.rows), max(spec.contexts), bpt)
+    _check_memory(spec.world, gpu, spec.formats, max(spec.rows), max(spec.contexts), buffers)
+
+
+def _check_memory(
+    world: int, gpu: bool, fmts: list[str], requests: int, context: int, buffers: int
+) -> None:
+    """Refuse sizes this machine's memory cannot hold, before any rank starts. Each rank holds
+    ``buffers`` bytes of instances and one shape's problem at a time (``ab._problem``): built on
+    the host by ``testing.make_problem`` on a CPU machine, random pages made on the GPU
+    otherwise, where rank 0 also times a 1 GiB copy."""
+    gpus = torch.cuda.device_count() if gpu else 0
+    bpt = max(formats.BYTES_PER_TOKEN[f] for f in fmts)
+    host, cache = problem_bytes(requests, context, bpt)
     if gpu:
         host, device = HOST_OVERHEAD, cache + buffers + DEVICE_OVERHEAD + (2 << 30)
     else:
         host, device = host + HOST_OVERHEAD + buffers, 0
-    what = f"--rows {max(spec.rows)} --context {max(spec.contexts)} on {spec.world} ranks"
+    what = f"--rows {requests} --context {context} on {world} ranks"
     fix = "lower --rows, --context or --world"
-    check_world_memory(what, spec.world, gpus, host, device, fix)
+    check_world_memory(what, world, gpus, host, device, fix)
 
 
 def gate_specs(args: argparse.Namespace, gpu: bool) -> list[gate_sweep.Spec]:
@@ -168,6 +176,10 @@ def gate_specs(args: argparse.Namespace, gpu: bool) -> list[gate_sweep.Spec]:
         for op in (gate_sweep.OPS if args.select else gate_sweep.OPS[:1])
     ]
     _check_sizes(lambda: [gate_sweep.config(s, world) for s in specs])
+    # a sweep holds its two instances (context-parallel, local) at a time
+    buffers = max(2 * gate_sweep.config(s, world).buffer_bytes(world) for s in specs)
+    s0 = specs[0]
+    _check_memory(world, gpu, _formats(args), max(s0.requests), max(s0.contexts), buffers)
     return specs
 
 
