@@ -288,17 +288,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _build(archs: list[str] | None, formats: list[str]) -> int:
-    """``cpindex build``: every module a process may load, per architecture, into the cache."""
+    """``cpindex build``: every module a process may load, per architecture, into the cache,
+    with the seconds each took to build (or find) and import, and on a GPU to load there (its
+    first use of one scoring instance; ``CUDA_MODULE_LOADING=EAGER`` loads the whole module)."""
+    import time
+
     import torch
 
-    from .kernels import build
+    from .kernels import build, structs
 
+    gpu = None
     if archs is None:
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if not gpus:
             raise UsageError("no GPU visible: name the target with --arch (e.g. sm_90, gfx942)")
-        archs = sorted({build.device_arch(torch.device("cuda", i)) for i in range(gpus)})
-        torch.cuda.init()  # the load times then include the modules' load onto the GPU
+        gpu = torch.device("cuda", torch.cuda.current_device())
+        archs = [build.device_arch(gpu)]
+        torch.zeros(1, device=gpu)  # the context: its start is not a module's load
     for arch in archs:
         try:
             build.check_arch(arch)
@@ -310,8 +316,13 @@ def _build(archs: list[str] | None, formats: list[str]) -> int:
         except build.KernelUnavailable as e:  # a compiler error: its whole output is the report
             print(f"cpindex build: error: {e}", file=sys.stderr)
             return 1
-        for name, built, secs in done:
-            print(f"{name}: {'built and loaded' if built else 'loaded (cached)'} in {secs:.1f} s")
+        for b in done:
+            line = f"{b.name}: {'built' if b.built else 'found'} and imported in {b.seconds:.1f} s"
+            if gpu is not None and b.fmt is not None:
+                t0 = time.perf_counter()
+                b.module.occupancy(structs.FORMAT_IDS[b.fmt], 4, False, 0)
+                line += f", loaded on {gpu} in {time.perf_counter() - t0:.1f} s"
+            print(line)
     print(f"cache: {build.cache_dir()}")
     return 0
 
@@ -339,7 +350,7 @@ def _failure(e: BaseException) -> tuple[int, str] | None:
         if f.type_name == "ProcessExit" and "SIGKILL" in f.message:
             return 2, f"{f.line()} (most likely out of memory: lower the sizes)"
         if _out_of_memory(f.type_name, f.message):
-            return 2, f"{f.line().splitlines()[0]} (lower the sizes)"
+            return 2, f"{f.line()} (lower the sizes)"
         return (2, str(e)) if f.expected else None
     if _out_of_memory(type(e).__name__, str(e)):
         return 2, f"{type(e).__name__}: {first_error(e)} (lower the sizes)"

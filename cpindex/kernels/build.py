@@ -18,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 
@@ -203,10 +204,19 @@ def load(
         return mod
 
 
-def prebuild(arch: str, formats: list[str | None]) -> list[tuple[str, bool, float]]:
+class Prebuilt(NamedTuple):
+    """One module :func:`prebuild` made ready."""
+
+    name: str  # the cache entry (:func:`module_name`)
+    fmt: str | None  # its cache format; None: the base module
+    built: bool  # compiled now (False: found in the cache)
+    seconds: float  # to build (or find) and import it
+    module: ModuleType
+
+
+def prebuild(arch: str, formats: list[str | None]) -> list[Prebuilt]:
     """Build ``formats``' modules (None: the base module) for ``arch`` into the cache, as a
-    process's first use would, with no GPU needed (``python -m cpindex build``). Returns
-    ``(module name, built now, seconds to build or find and import it)`` for each."""
+    process's first use would, with no GPU needed (``python -m cpindex build``)."""
     check_arch(arch)
     out = []
     for fmt in formats:
@@ -214,9 +224,10 @@ def prebuild(arch: str, formats: list[str | None]) -> list[tuple[str, bool, floa
         cached = any((cache_dir() / name).glob(f"{name}*.so"))
         t0 = time.perf_counter()
         with _lock:
-            if (arch, fmt, False) not in _modules:
-                _modules[arch, fmt, False] = _build(arch, fmt, False)
-        out.append((name, not cached, time.perf_counter() - t0))
+            mod = _modules.get((arch, fmt, False))
+            if mod is None:
+                mod = _modules[arch, fmt, False] = _build(arch, fmt, False)
+        out.append(Prebuilt(name, fmt, not cached, time.perf_counter() - t0, mod))
     return out
 
 
