@@ -231,10 +231,13 @@ def prebuild(arch: str, formats: list[str | None]) -> list[Prebuilt]:
     return out
 
 
-def available(device: torch.device | None = None) -> tuple[bool, str]:
-    """Whether the kernel can run on ``device``, and why not."""
+def available(device: torch.device | None = None, fmt: str | None = None) -> tuple[bool, str]:
+    """Whether the kernel can run on ``device`` (the base module, and ``fmt``'s where given:
+    both built or found here), and why not."""
     try:
         load(device)
+        if fmt is not None:
+            load(device, fmt)
     except KernelUnavailable as e:
         return False, str(e)
     return True, f"fused kernel built for {device_arch(device)}"
