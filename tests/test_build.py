@@ -145,3 +145,27 @@ def test_a_module_instantiates_its_formats_only(tmp_path, fmt, kernel_ids):
     assert scored == kernel_ids
     assert any("write_keys_kernel" in k for k in kernels)
     assert any("merge_kernel" in k for k in kernels)
+
+
+def test_a_process_loads_only_the_modules_it_uses(monkeypatch):
+    """``load(device, fmt)`` builds that format's module once; ``load(device)`` (the writer's,
+    the peer memory's) takes a format's module already loaded for the arch, as every module
+    holds those functions, and builds the base module only where none is. (The compiler is
+    replaced by a record of what it was asked for: no GPU here.)"""
+    built: list[tuple] = []
+
+    def fake_build(arch, fmt, portable):
+        built.append((arch, fmt, portable))
+        return f"module {arch} {fmt} {portable}"
+
+    monkeypatch.setattr(build, "_modules", {})
+    monkeypatch.setattr(build, "_build", fake_build)
+    monkeypatch.setattr(build, "device_arch", lambda device=None: device or "sm_90")
+    assert build.load("gfx942") == "module gfx942 None False"  # nothing loaded yet: the base
+    assert build.load(None, "fp8") == build.load(None, "fp8") == "module sm_90 fp8 False"
+    assert build.load() == "module sm_90 fp8 False"  # fp8's module serves the base functions
+    assert build.load(None, "nvfp4", portable=True) == "module sm_90 nvfp4 True"
+    assert build.load("gfx942") == "module gfx942 None False"
+    assert built == [("gfx942", None, False), ("sm_90", "fp8", False), ("sm_90", "nvfp4", True)]
+    assert build.available(None, "bf16") == (True, "fused kernel built for sm_90")
+    assert built[-1] == ("sm_90", "bf16", False) and len(built) == 4  # no base module

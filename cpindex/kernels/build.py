@@ -189,18 +189,21 @@ def load(
     device: torch.device | None = None, fmt: str | None = None, *, portable: bool = False
 ) -> ModuleType:
     """The compiled extension for ``device``'s architecture (built on first use): ``fmt``'s
-    module (``score`` runs that cache format only), or the base module (``fmt=None``: the key
-    writer, merge, agreement hash, peer memory and streams), which every module also holds.
+    module (``score`` runs that cache format only), or for ``fmt=None`` the base functions (the
+    key writer, merge, agreement hash, peer memory and streams): every module holds them, so a
+    format's module already loaded here serves, else the base module (no scoring instance).
 
     ``portable=True`` builds the scalar path AMD runs (no tensor-core mma) on CUDA, so that path
     is tested on NVIDIA hardware too.
     """
     arch = device_arch(device)
-    key = (arch, fmt, portable)
     with _lock:
-        mod = _modules.get(key)
+        mod = _modules.get((arch, fmt, portable))
+        if mod is None and fmt is None and not portable:
+            # every format's module holds the base module's functions too: one loaded serves
+            mod = next((m for (a, _, p), m in _modules.items() if a == arch and not p), None)
         if mod is None:
-            mod = _modules[key] = _build(arch, fmt, portable)
+            mod = _modules[arch, fmt, portable] = _build(arch, fmt, portable)
         return mod
 
 
@@ -235,9 +238,9 @@ def available(device: torch.device | None = None, fmt: str | None = None) -> tup
     """Whether the kernel can run on ``device`` (the base module, and ``fmt``'s where given:
     both built or found here), and why not."""
     try:
-        load(device)
-        if fmt is not None:
+        if fmt is not None:  # first: it then serves the base functions too
             load(device, fmt)
+        load(device)
     except KernelUnavailable as e:
         return False, str(e)
     return True, f"fused kernel built for {device_arch(device)}"
