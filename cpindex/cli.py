@@ -266,8 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_archs,
         metavar="LIST",
         default=None,
-        help="comma list of GPU architectures, e.g. sm_90 or gfx942,gfx950 (default: the visible "
-        "GPUs'; needed without a GPU)",
+        help="comma list of GPU architectures, e.g. sm_90 or gfx942,gfx950 (default: the current "
+        "GPU's; needed without a GPU)",
     )
     k.add_argument(
         "--formats",
