@@ -21,6 +21,11 @@ One page holds ``PAGE_TOKENS`` tokens of ``HEAD_DIM`` index-key elements. Layout
 
 :func:`write_keys` stores keys at slots of any cache (one fused kernel on a GPU); :func:`quantize`
 encodes whole pages with the same quantizer. See docs/formats.md.
+
+This module is the public face: the layouts and their checks live in :mod:`cpindex.layouts`,
+the number formats and the quantizer in :mod:`cpindex.quant` (both below the kernels, which
+use them), the GPU writer in :mod:`cpindex.kernels.writer`; :func:`write_keys` checks a write
+here and hands a GPU one to it.
 """
 
 from __future__ import annotations
