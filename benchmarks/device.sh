@@ -103,8 +103,8 @@ bounded() {  # bounded DEFAULT_SECONDS CMD...: the step under -t (or its own def
 
 has() { "$PY" -c "import $1" 2> /dev/null; }
 
-build_kernels() {  # the tensor-core and the portable build, before anything is timed
-  "$PY" -c "import torch; from cpindex import kernels; d = torch.device('cuda', 0); kernels.load(d); kernels.load(d, portable=True)"
+build_kernels() {  # every format's tensor-core and portable build, before anything is timed
+  "$PY" -c "import torch; from cpindex import kernels; d = torch.device('cuda', 0); [kernels.load(d, f, portable=p) for p in (False, True) for f in (None, 'bf16', 'fp8', 'nvfp4')]"
 }
 
 cmd_tests() {

@@ -1,38 +1,28 @@
-"""Command line: ``python -m cpindex {demo,bench,info}`` (also the ``cpindex`` script)."""
+"""Command line: ``python -m cpindex {demo,bench,build,info}`` (also the ``cpindex`` script)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+from typing import NoReturn
+
+from .cli_common import (
+    BENCH_EXTRA,
+    FORMATS,
+    NVFP4_FORMS,
+    TRANSPORTS,
+    UsageError,
+    first_error,
+)
 
 DESCRIPTION = (
     "cpindex: context-parallel decode block scoring for MiniMax-M3 sparse attention. "
     "'demo' runs one decode step on a W-rank world and checks every rank against the "
     "reference; 'bench' times the transports (or the kernel alone, or the CP gate's "
-    "crossover); 'info' shows this "
+    "crossover); 'build' builds the kernel's modules ahead of first use; 'info' shows this "
     "machine's GPUs and what transport 'auto' would pick."
 )
-BENCH_EXTRA = "pip install cpindex[bench]"
-GPU_TRANSPORTS = ("ipc", "mori")  # the transports that need GPUs
-TRANSPORTS = ["auto", "ipc", "mori", "collective"]
-FORMATS = ["bf16", "fp8", "nvfp4"]
-# cpindex.testing.NVFP4_FORMS but page_major (plain nvfp4), spelled out: no torch import here
-NVFP4_FORMS = [f"nvfp4-{f}" for f in ("page_major_3d", "pool", "pair", "interleaved")]
-
-
-class UsageError(ValueError):
-    """An argument this run cannot use, found before any rank starts: printed as one line,
-    exit status 2."""
-
-
-def first_error(e: ValueError) -> str:
-    """The first message of ``e`` on one line (pydantic's ValidationError: its first error)."""
-    errors = getattr(e, "errors", None)
-    if callable(errors):
-        return str(errors()[0]["msg"]).removeprefix("Value error, ")
-    lines = str(e).strip().splitlines()
-    return lines[0] if lines else type(e).__name__
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -43,6 +33,14 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None:
             return action.help
         return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors in the one style of every other refusal: one line
+    ``cpindex COMMAND: error: ...``, exit status 2 (no usage block)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
 
 
 def _parse_ints(text: str) -> list[int]:
@@ -74,6 +72,13 @@ def _count(text: str) -> int:
     return values[0]
 
 
+def _archs(text: str) -> list[str]:
+    archs = [a.strip() for a in text.split(",")]
+    if not all(archs):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma list, e.g. sm_90,gfx942")
+    return archs
+
+
 def _names(choices: list[str]):
     def parse(text: str) -> str:
         bad = [x for x in text.split(",") if x not in choices]
@@ -87,7 +92,7 @@ def _names(choices: list[str]):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="cpindex",
         description=DESCRIPTION,
         formatter_class=_Formatter,
@@ -246,6 +251,32 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"draw the results into this PNG, needs {BENCH_EXTRA} (default: no plot)",
     )
 
+    k = sub.add_parser(
+        "build",
+        help="build the kernel's modules into the cache ahead of first use (container images)",
+        description="Builds the base module and each format's module for each architecture into "
+        "the cache (CPINDEX_CACHE_DIR, default ~/.cache/cpindex), as a process's first use would, "
+        "and prints how long each took to build (or find) and load. Needs a CUDA or ROCm build of "
+        "torch and its compiler (nvcc, hipcc), not a GPU: name the target with --arch where none "
+        "is visible.",
+        formatter_class=_Formatter,
+    )
+    k.add_argument(
+        "--arch",
+        type=_archs,
+        metavar="LIST",
+        default=None,
+        help="comma list of GPU architectures, e.g. sm_90 or gfx942,gfx950 (default: the current "
+        "GPU's; needed without a GPU)",
+    )
+    k.add_argument(
+        "--formats",
+        type=_names(FORMATS),
+        metavar="LIST",
+        default=",".join(FORMATS),
+        help="comma list of cache formats whose modules to build (the base module is always built)",
+    )
+
     sub.add_parser(
         "info",
         help="detected hardware and what transport 'auto' would pick",
@@ -256,13 +287,86 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _build(archs: list[str] | None, formats: list[str]) -> int:
+    """``cpindex build``: every module a process may load, per architecture, into the cache,
+    with the seconds each took to build (or find) and import, and on a GPU to load there (its
+    first use of one scoring instance; ``CUDA_MODULE_LOADING=EAGER`` loads the whole module)."""
+    import time
+
+    import torch
+
+    from .kernels import build, structs
+
+    gpu = None
+    if archs is None:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not gpus:
+            raise UsageError("no GPU visible: name the target with --arch (e.g. sm_90, gfx942)")
+        gpu = torch.device("cuda", torch.cuda.current_device())
+        archs = [build.device_arch(gpu)]
+        torch.zeros(1, device=gpu)  # the context: its start is not a module's load
+    for arch in archs:
+        try:
+            build.check_arch(arch)
+        except build.KernelUnavailable as e:
+            raise UsageError(f"--arch {arch}: {e}") from None
+    for arch in archs:
+        try:
+            done = build.prebuild(arch, [None, *formats])
+        except build.KernelUnavailable as e:  # a compiler error: its whole output is the report
+            print(f"cpindex build: error: {e}", file=sys.stderr)
+            return 1
+        for b in done:
+            line = f"{b.name}: {'built' if b.built else 'found'} and imported in {b.seconds:.1f} s"
+            if gpu is not None and b.fmt is not None:
+                t0 = time.perf_counter()
+                b.module.occupancy(structs.FORMAT_IDS[b.fmt], 4, False, 0)
+                line += f", loaded on {gpu} in {time.perf_counter() - t0:.1f} s"
+            print(line)
+    print(f"cache: {build.cache_dir()}")
+    return 0
+
+
+_OOM_WORDS = ("out of memory", "can't allocate memory", "cannot allocate memory")
+
+
+def _out_of_memory(type_name: str, message: str) -> bool:
+    return type_name in ("OutOfMemoryError", "MemoryError") or any(
+        w in message.lower() for w in _OOM_WORDS
+    )
+
+
+def _failure(e: BaseException) -> tuple[int, str] | None:
+    """The exit status and one line for a failure the user can cause or fix (bad input, a
+    refusal, too little memory, a kernel this machine cannot build); None for a bug, whose
+    traceback is the report."""
+    from .errors import CPIndexError, TransportUnavailable
+    from .spawn import RanksFailed
+
+    if isinstance(e, UsageError):
+        return 2, str(e)
+    if isinstance(e, RanksFailed):
+        f = e.primary
+        if f.type_name == "ProcessExit" and "SIGKILL" in f.message:
+            return 2, f"{f.line()} (most likely out of memory: lower the sizes)"
+        if _out_of_memory(f.type_name, f.message):
+            return 2, f"{f.line()} (lower the sizes)"
+        return (2, str(e)) if f.expected else None
+    if _out_of_memory(type(e).__name__, str(e)):
+        return 2, f"{type(e).__name__}: {first_error(e)} (lower the sizes)"
+    if isinstance(e, (ValueError, TypeError, TransportUnavailable)):
+        return 2, f"{type(e).__name__}: {first_error(e)}"
+    if isinstance(e, CPIndexError):  # a peer's failure or a timeout: not the user's doing
+        return 1, f"{type(e).__name__}: {first_error(e)}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns the exit status: 0 done, 1 a check failed (the demo's
+    mismatch) or the run failed on its own, 2 the user's error (one line on stderr)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from .errors import CPIndexError
-    from .spawn import RanksFailed
-
     try:
         if args.cmd == "demo":
             from . import demo
@@ -277,21 +381,19 @@ def main(argv: list[str] | None = None) -> int:
 
             bench_main(args)
             return 0
+        if args.cmd == "build":
+            return _build(args.arch, args.formats.split(","))
         from .info import main as info_main
 
         info_main()
         return 0
-    except UsageError as e:
-        print(f"cpindex {args.cmd}: error: {e}", file=sys.stderr)
-        return 2
-    except RanksFailed as e:
-        if not e.primary.expected:
-            raise  # a bug: its traceback (the rank's, attached) is the report
-        print(f"cpindex {args.cmd}: error: {e}", file=sys.stderr)
-        return 1
-    except (ValueError, TypeError, CPIndexError) as e:  # a refusal in the one-process world
-        print(f"cpindex {args.cmd}: error: {type(e).__name__}: {first_error(e)}", file=sys.stderr)
-        return 1
+    except Exception as e:
+        failure = _failure(e)
+        if failure is None:
+            raise  # a bug: its traceback (a rank's, attached) is the report
+        code, line = failure
+        print(f"cpindex {args.cmd}: error: {line}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

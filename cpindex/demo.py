@@ -18,7 +18,15 @@ import torch
 
 from . import formats, partition, reference, testing
 from .api import IndexCP
-from .cli import GPU_TRANSPORTS, UsageError, first_error
+from .cli_common import (
+    DEVICE_OVERHEAD,
+    GPU_TRANSPORTS,
+    HOST_OVERHEAD,
+    UsageError,
+    check_world_memory,
+    first_error,
+    problem_bytes,
+)
 from .comm import Comm, TorchComm
 from .config import CPIndexConfig
 from .spawn import spawn_processes
@@ -49,8 +57,8 @@ def config(args: DemoArgs, world_size: int | None = None) -> CPIndexConfig:
 
 
 def check(args: DemoArgs) -> None:
-    """Refuse, before any rank starts, what every rank would refuse (one line naming the
-    option)."""
+    """Refuse, before any rank starts, what every rank would refuse, and sizes this machine's
+    memory cannot hold (one line naming the options)."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus == 0 and args.transport in GPU_TRANSPORTS:
         raise UsageError(
@@ -61,10 +69,19 @@ def check(args: DemoArgs) -> None:
         CPIndexConfig(world_size=args.world)  # the heads (4) split over the ranks
     except ValueError as e:
         raise UsageError(f"--world {args.world}: {first_error(e)}") from None
+    sizes = f"--rows {args.rows} --context {args.context}"
     try:
-        config(args, args.world)
+        cfg = config(args, args.world)
     except ValueError as e:
-        raise UsageError(f"--rows {args.rows} --context {args.context}: {first_error(e)}") from None
+        raise UsageError(f"{sizes}: {first_error(e)}") from None
+    # Every rank builds the whole problem on the host, moves it to its device and checks its
+    # share against the reference there; its buffers are on its device (or the host).
+    host, cache = problem_bytes(args.rows, args.context, formats.BYTES_PER_TOKEN[args.fmt])
+    buffers = cfg.buffer_bytes(args.world)
+    host += HOST_OVERHEAD + (0 if gpus else buffers)
+    device = cache + buffers + DEVICE_OVERHEAD
+    fix = "lower --rows, --context or --world"
+    check_world_memory(f"{sizes} on {args.world} ranks", args.world, gpus, host, device, fix)
 
 
 def _rank_job(comm: Comm, args: DemoArgs, device: torch.device) -> dict:

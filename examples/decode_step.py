@@ -10,7 +10,7 @@ shows the one-process world that can). Every process:
    instance through ``cpindex.get()``;
 2. keeps the index-key cache as a pool of pages that is identical on every rank (the index keys
    have one head shared by all index heads, so tensor parallelism replicates them); each new
-   token's key is quantized with ``cpindex.formats.quantize`` and stored in its request's page;
+   token's key is stored in its request's page with ``cpindex.formats.write_keys``;
 3. decodes ``T = 4`` tokens per request per step (speculative / multi-token prediction): ``iq``
    has ``requests * T`` rows, request-major, and ``block_table``/``seq_lens`` one row per request;
 4. on a GPU whose transport can be captured, records the call in a CUDA graph once and replays
@@ -59,20 +59,9 @@ class Cache:
         for block in sorted(set((pos // 128).tolist())):
             if block * 128 >= self.lens[request]:  # a new block: take a page from the pool
                 self.table[request, block] = self.free.pop(0)
-        pages = self.table[request, pos // 128].long().to(self.pages.device)
-        slots = (pos % 128).to(self.pages.device)
-        # quantize() works on whole pages, but a token's bytes depend only on its own 128
-        # values: quantize a staging page per token, then copy that token's bytes into place.
-        staging = torch.zeros(n, 128, 128)
-        staging[:, 0] = keys
-        new = formats.quantize(staging, self.fmt).to(self.pages.device)
-        if self.fmt == "nvfp4":  # zero-copy (values, scales) views of any nvfp4 layout
-            values, scales = formats.nvfp4_views(self.pages)
-            new_values, new_scales = formats.nvfp4_views(new)
-            values[pages, slots] = new_values[:, 0]
-            scales[pages, slots] = new_scales[:, 0]
-        else:  # bf16 / fp8 [pages, 128, 128]: copied as bytes (index_put has no fp8 kernel)
-            self.pages.view(torch.uint8)[pages, slots] = new.view(torch.uint8)[:, 0]
+        slots = self.table[request, pos // 128].long() * 128 + pos % 128
+        # quantized as the cache's format wants, in place, on the cache's device
+        formats.write_keys(self.pages, keys.to(self.pages.device), slots.to(self.pages.device))
         self.lens[request] += n
 
 

@@ -331,7 +331,8 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, phases: tuple[str
         torch.cuda.set_device(DEV)
         allow_shared_gpu_processes(True)
         t0 = time.monotonic()
-        kernels.load(torch.device(DEV))  # a cold build happens here, before any timed wait
+        for fmt in (None, *FORMATS):  # cold builds happen here, before any timed wait
+            kernels.load(torch.device(DEV), fmt)
         load_s = time.monotonic() - t0
         inputs = torch.load(out / "inputs.pt", weights_only=False)
         dist.barrier()

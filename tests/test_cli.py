@@ -115,11 +115,22 @@ def test_demo_help_lists_options(capsys):
         assert opt in out
 
 
-@pytest.mark.parametrize("args", [[], ["demo", "--format", "int4"], ["frobnicate"]])
-def test_bad_arguments_exit_2(capsys, args):
-    code, _, err = _main(capsys, *args)
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        ([], "cpindex: error: the following arguments are required: COMMAND"),
+        (["demo", "--format", "int4"], "cpindex demo: error: argument --format: invalid choice"),
+        (["frobnicate"], "cpindex: error: argument COMMAND: invalid choice: 'frobnicate'"),
+        (["bench", "--kernel", "--gate"], "cpindex bench: error: argument --gate: not allowed"),
+    ],
+)
+def test_bad_arguments_exit_2_in_one_line(capsys, args, says):
+    """argparse's own errors come in the style of every other refusal: one line, no usage
+    block, exit 2."""
+    code, out, err = _main(capsys, *args)
     assert code == 2
-    assert "usage: cpindex" in err
+    assert err.startswith(says) and err.count("\n") == 1, err
+    assert "usage:" not in err and out == ""
 
 
 @pytest.mark.parametrize(
@@ -290,6 +301,27 @@ _CPU = not torch.cuda.is_available()
         pytest.param(["bench", "--gate", "--transports", "ipc"], "cpindex bench: error: "
                      "--transports ipc: ipc needs GPUs",
                      marks=pytest.mark.skipif(not _CPU, reason="CPU only")),
+        # sizes past the limits, named; sizes past this machine's memory, before allocating
+        (["demo", "--rows", "100000"], "cpindex demo: error: --rows 100000 --context 8192: "
+         "max_rows=100000: Input should be less than or equal to 65536"),
+        (["demo", "--context", "200000000"], "cpindex demo: error: --rows 8 --context 200000000: "
+         "max_width=1562500: "),
+        (["demo", "--rows", "4000", "--context", "65536"], "cpindex demo: error: --rows 4000 "
+         "--context 65536 on 4 ranks needs about "),
+        (["bench", "--context", "100000000"], "cpindex bench: error: --rows 8 --context "
+         "100000000 on 4 ranks needs about "),
+        (["bench", "--gate", "--rows", "4000", "--context", "64k"], "cpindex bench: error: "
+         "--rows 4000 --context 65536 on 4 ranks needs about "),
+        (["bench", "--out", "/"], "cpindex bench: error: --out /: is a directory"),
+        (["bench", "--plot", "/nonexistent/x.png"], "cpindex bench: error: --plot "
+         "/nonexistent/x.png: directory '/nonexistent' does not exist"),
+        (["build", "--formats", "int4"], "cpindex build: error: argument --formats: 'int4'"),
+        pytest.param(["build", "--arch", "sm_90"], "cpindex build: error: --arch sm_90: this "
+                     "torch (", marks=pytest.mark.skipif(bool(torch.version.cuda or
+                     torch.version.hip), reason="a CPU build of torch's refusal")),
+        pytest.param(["build", "--arch", "gfx942", "--formats", "fp8"], "cpindex build: error: "
+                     "--arch gfx942: this torch (", marks=pytest.mark.skipif(
+                     bool(torch.version.cuda or torch.version.hip), reason="CPU torch")),
     ],
 )  # fmt: skip
 def test_arguments_are_checked_before_any_rank_starts(capsys, tmp_path, monkeypatch, argv, says):
@@ -371,3 +403,99 @@ def test_gate_config_is_built_from_the_spec_and_the_world():
     assert (cfg.transport, cfg.cache_format, cfg.world_size) == ("collective", "fp8", 2)
     assert (cfg.max_rows, cfg.max_query_len, cfg.max_width) == (18, 3, 24)
     assert cfg.cp_min_blocks == "auto" and gate_sweep.config(spec, None, 0).cp_min_blocks == 0
+
+
+# ------------------------------------------------------------------ misuse, as a user meets it
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        # 409 GB of float32 keys per rank: refused from the memory model, nothing allocated
+        (["demo", "--context", "100000000"], "cpindex demo: error: --rows 8 --context 100000000 "
+         "on 4 ranks needs about "),
+        (["bench", "--out", "/nonexistent/x.json"], "cpindex bench: error: --out "
+         "/nonexistent/x.json: directory '/nonexistent' does not exist"),
+        (["demo", "--format", "int4"], "cpindex demo: error: argument --format: invalid choice"),
+    ],
+)  # fmt: skip
+def test_misuse_is_one_line_and_exit_2(tmp_path, argv, says):
+    """What a user can get wrong, run as they run it: one line on stderr, exit 2, in seconds
+    (sizes refused from the library's buffer model and the machine's free memory before
+    anything is allocated; the output path before the run). The other refusals are checked
+    in this process (test_arguments_are_checked_before_any_rank_starts)."""
+    res = _cpindex(*argv, timeout=60, env={"TMPDIR": str(tmp_path)})
+    assert res.returncode == 2, (res.stdout, res.stderr[-3000:])
+    assert res.stderr.startswith(says), res.stderr
+    assert res.stderr.count("\n") == 1, res.stderr
+    assert res.stdout == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_a_read_only_folder_is_refused_before_the_run(capsys, tmp_path):
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o500)
+    try:
+        code, out, err = _main(capsys, "bench", "--out", str(folder / "x.json"))
+    finally:
+        folder.chmod(0o700)
+    assert code == 2 and "not writable" in err and err.count("\n") == 1, err
+    assert out == ""
+
+
+def test_pydantic_refusals_name_the_field_and_value():
+    from cpindex.cli_common import first_error
+    from cpindex.config import CPIndexConfig
+
+    with pytest.raises(ValueError) as e:
+        CPIndexConfig(max_rows=100000)
+    assert first_error(e.value).startswith("max_rows=100000: Input should be less than")
+    with pytest.raises(ValueError) as e:
+        CPIndexConfig(world_size=3)  # a model check: no field to name
+    assert first_error(e.value).startswith("num_heads (4) and world_size (3) must divide")
+
+
+def test_a_rank_out_of_memory_is_one_line_exit_2():
+    """A rank that runs out of memory anyway (the model missed it, or memory went elsewhere)
+    or is killed for it: one line, exit 2; a rank's bug keeps its traceback."""
+    from cpindex import cli
+    from cpindex.spawn import RankFailure, RanksFailed
+
+    def failed(type_name, message, expected=False):
+        return RanksFailed([RankFailure(1, type_name, message, "tb", expected, 0.0)])
+
+    oom = failed("RuntimeError", "DefaultCPUAllocator: can't allocate memory: you tried ...")
+    assert cli._failure(oom) == (
+        2, "rank 1: RuntimeError: DefaultCPUAllocator: can't allocate memory: you tried ... "
+        "(lower the sizes)",
+    )  # fmt: skip
+    code, line = cli._failure(failed("ProcessExit", "the process was killed by SIGKILL"))
+    assert code == 2 and "most likely out of memory" in line
+    assert cli._failure(failed("ValueError", "iq: bad", expected=True))[0] == 2
+    assert cli._failure(failed("AssertionError", "x")) is None  # a bug: the traceback
+    assert cli._failure(MemoryError())[0] == 2
+    assert cli._failure(KeyError("x")) is None
+
+
+_GPU_VISIBLE = torch.cuda.is_available()
+
+
+@pytest.mark.skipif(_GPU_VISIBLE, reason="a machine without a GPU")
+def test_build_without_a_gpu_or_arch_is_one_line_exit_2(tmp_path):
+    """``cpindex build`` with nothing to build for: one line, exit 2, nothing in the cache."""
+    res = _cpindex("build", timeout=60, env={"CPINDEX_CACHE_DIR": str(tmp_path / "cache")})
+    assert res.returncode == 2, (res.stdout, res.stderr[-3000:])
+    assert res.stderr == (
+        "cpindex build: error: no GPU visible: name the target with --arch (e.g. sm_90, gfx942)\n"
+    )
+    assert not (tmp_path / "cache").exists()
+
+
+def test_build_help_names_the_cache_and_arch(capsys):
+    code, out, err = _main(capsys, "build", "--help")
+    assert code == 0, err
+    text = " ".join(out.split())
+    for shown in ("--arch LIST", "gfx942", "CPINDEX_CACHE_DIR", "(default: bf16,fp8,nvfp4)"):
+        assert shown in text, shown

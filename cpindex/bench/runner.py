@@ -12,8 +12,19 @@ from collections.abc import Callable
 
 import torch
 
-from .. import kernels
-from ..cli import BENCH_EXTRA, FORMATS, GPU_TRANSPORTS, UsageError, first_error
+from .. import formats, kernels
+from ..cli_common import (
+    BENCH_EXTRA,
+    DEVICE_OVERHEAD,
+    FORMATS,
+    GPU_TRANSPORTS,
+    HOST_OVERHEAD,
+    UsageError,
+    check_world_memory,
+    check_writable,
+    first_error,
+    problem_bytes,
+)
 from ..config import MAX_QUERY_LEN, CPIndexConfig
 from . import ab, agree_cost, gate_sweep, host_cost, kernel_sweep, nccl_tests, write_sweep
 
@@ -99,7 +110,37 @@ def ab_spec(args: argparse.Namespace, gpu: bool) -> ab.Spec:
     )
     _check_world(spec.world, spec.query_lens)
     _check_sizes(lambda: ab.configs(spec, spec.world))
+    _check_ab_memory(spec, gpu)
     return spec
+
+
+def _check_ab_memory(spec: ab.Spec, gpu: bool) -> None:
+    """Refuse an A/B whose largest shape this machine's memory cannot hold: a rank holds one
+    format's instances at a time, one per transport."""
+    cfgs = ab.configs(spec, spec.world)
+    buffers = max(
+        sum(cfgs[f, t].buffer_bytes(spec.world) for t in spec.transports) for f in spec.formats
+    )
+    _check_memory(spec.world, gpu, spec.formats, max(spec.rows), max(spec.contexts), buffers)
+
+
+def _check_memory(
+    world: int, gpu: bool, fmts: list[str], requests: int, context: int, buffers: int
+) -> None:
+    """Refuse sizes this machine's memory cannot hold, before any rank starts. Each rank holds
+    ``buffers`` bytes of instances and one shape's problem at a time (``ab._problem``): built on
+    the host by ``testing.make_problem`` on a CPU machine, random pages made on the GPU
+    otherwise, where rank 0 also times a 1 GiB copy."""
+    gpus = torch.cuda.device_count() if gpu else 0
+    bpt = max(formats.BYTES_PER_TOKEN[f] for f in fmts)
+    host, cache = problem_bytes(requests, context, bpt)
+    if gpu:
+        host, device = HOST_OVERHEAD, cache + buffers + DEVICE_OVERHEAD + (2 << 30)
+    else:
+        host, device = host + HOST_OVERHEAD + buffers, 0
+    what = f"--rows {requests} --context {context} on {world} ranks"
+    fix = "lower --rows, --context or --world"
+    check_world_memory(what, world, gpus, host, device, fix)
 
 
 def gate_specs(args: argparse.Namespace, gpu: bool) -> list[gate_sweep.Spec]:
@@ -135,11 +176,18 @@ def gate_specs(args: argparse.Namespace, gpu: bool) -> list[gate_sweep.Spec]:
         for op in (gate_sweep.OPS if args.select else gate_sweep.OPS[:1])
     ]
     _check_sizes(lambda: [gate_sweep.config(s, world) for s in specs])
+    # a sweep holds its two instances (context-parallel, local) at a time
+    buffers = max(2 * gate_sweep.config(s, world).buffer_bytes(world) for s in specs)
+    s0 = specs[0]
+    _check_memory(world, gpu, _formats(args), max(s0.requests), max(s0.contexts), buffers)
     return specs
 
 
 def main(args: argparse.Namespace) -> dict:
     gpu = torch.cuda.is_available()
+    for option, path in (("--out", args.out), ("--plot", args.plot)):
+        if path:
+            check_writable(path, option)  # before the run, not after it
     specs = gate_specs(args, gpu) if args.gate else None
     if args.plot:
         require_matplotlib()

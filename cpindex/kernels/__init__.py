@@ -7,6 +7,7 @@ from .build import (
     build_defines,
     device_arch,
     load,
+    prebuild,
     sources_digest,
 )
 
@@ -16,5 +17,6 @@ __all__ = [
     "build_defines",
     "device_arch",
     "load",
+    "prebuild",
     "sources_digest",
 ]

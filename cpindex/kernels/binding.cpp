@@ -52,6 +52,8 @@ void score(const torch::Tensor& q, const torch::Tensor& kv, const c10::optional<
            int64_t format, bool wgmma, int64_t split, int64_t grid, int64_t tag) {
   // Validation happened once, in Python (cpindex/validation.py); these are cheap invariants.
   CP_CHECK(params_image.numel() == (int64_t)sizeof(ScoreParams), "ScoreParams image size");
+  CP_CHECK(cpindex::format_built((int)format), "score: format " + num(format) +
+                                                  " is not in this module (kernels/build.py)");
   const int fewest = cpindex::score_split_warps((int)format);
   CP_CHECK(split == 0 || (fewest > 0 && split >= fewest && (split == 2 || split == 4)),
            "split must be 0, or 2 or 4 warps per page where the build splits pages (format " +
@@ -358,6 +360,7 @@ void stream_destroy(int64_t s) { CP_CHECK_RT(cudaStreamDestroy(reinterpret_cast<
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "cpindex fused block-scoring kernel (see cpindex/kernels/launch.h)";
   m.def("score", &score);
+  m.def("formats", [] { return (int64_t)CP_FORMATS; });  // the CacheFormat bits built here
   m.def("merge", &merge);
   m.def("plan_fingerprint", &plan_fingerprint);
   m.def("write_keys", &write_keys);

@@ -19,6 +19,17 @@ constexpr int kWarpsPerCta = 4;
 // kernel of its own: one kernel with both load widths holds both paths' registers.
 enum CacheFormat : int { kBF16 = 0, kFP8 = 1, kNVFP4 = 2, kNVFP4Narrow = 3 };
 
+// CP_FORMATS (set by kernels/build.py): a bit per CacheFormat whose scoring instances this module
+// holds. The build makes one module per cache format (nvfp4: kNVFP4 and kNVFP4Narrow) and a base
+// module with none (the writer, merge, hash and peer-memory functions), so a process compiles
+// and loads only the formats it uses. Unset: every format.
+#ifndef CP_FORMATS
+#define CP_FORMATS 0xF
+#endif
+constexpr bool format_built(int format) {
+  return format >= 0 && format < 4 && ((CP_FORMATS >> format) & 1);
+}
+
 // Error codes written to ErrorWord::code (0 = fine). Shared with cpindex/kernels/errors.py.
 enum ErrorCode : uint32_t {
   kErrNone = 0,

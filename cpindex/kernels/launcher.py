@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from .. import formats
+from .. import layouts, quant
 from ..errors import BadBlockTableError, BadSlotError, OutOfStepError, PeerTimeoutError
 from ..memo import Memo, PerTensor
 from . import structs
@@ -80,8 +80,8 @@ def nvfp4_lut() -> torch.Tensor:
     :func:`cpindex.formats.e4m3_rn_satfinite`, the function the reference dequantizes with, so
     the kernel's key values are the reference's bit for bit. (Every e4m3 value is exact in f16.)"""
     scales = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
-    grid = formats.e2m1_decode(torch.arange(8, dtype=torch.uint8))
-    vals = formats.e4m3_rn_satfinite(scales[:, None] * grid[None, :])
+    grid = quant.e2m1_decode(torch.arange(8, dtype=torch.uint8))
+    vals = quant.e4m3_rn_satfinite(scales[:, None] * grid[None, :])
     bits = vals.to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
     f16 = torch.cat([bits >> 8, bits & 0xFF], dim=1).to(torch.uint8)
     e4m3 = vals.to(torch.float8_e4m3fn).view(torch.uint8)
@@ -96,14 +96,14 @@ def div_magic(d: int) -> int:
     return -(-(1 << 16) // d)
 
 
-def cache_parts(index_cache: formats.Cache) -> tuple[torch.Tensor, torch.Tensor | None]:
+def cache_parts(index_cache: layouts.Cache) -> tuple[torch.Tensor, torch.Tensor | None]:
     """What the binding reads (or writes) keys through: ``(kv, ks)``. bf16/fp8: the cache and
     None. nvfp4 (a page-major tensor or the pair): zero-copy views of the values ``[pages, 128,
     64]`` and scales ``[pages, 128, 8]`` (:func:`cpindex.formats.nvfp4_views`), whose page and
     token strides the binding passes to the kernel. The cache was validated before
     (``validation.Checker``, ``formats.write_keys``), so this only splits it."""
     if isinstance(index_cache, tuple) or index_cache.dtype == torch.uint8:
-        return formats.nvfp4_views(index_cache, checked=True)
+        return layouts.nvfp4_views(index_cache, checked=True)
     return index_cache, None
 
 
@@ -258,14 +258,14 @@ class KernelScorer:
         ranks_per_device: int = 1,
         portable: bool = False,
     ) -> None:
-        self.mod = load(device, portable=portable)
+        self.mod = load(device, fmt, portable=portable)
         self.device = device
         self.fmt_id = structs.FORMAT_IDS[fmt]
         self.elem = 2 if fmt == "bf16" else 1
         # bytes in flight per CTA of a whole-page ring instance (CUDA tensor-core builds)
         ring = fmt in ("bf16", "fp8") and not portable and torch.version.hip is None
         self._ring_cta_bytes = (
-            WARPS_PER_CTA * (RING_TILES - 1) * 16 * formats.HEAD_DIM * self.elem if ring else 0
+            WARPS_PER_CTA * (RING_TILES - 1) * 16 * layouts.HEAD_DIM * self.elem if ring else 0
         )
         self.num_heads, self.rank, self.world, self.sm_scale = num_heads, rank, world, sm_scale
         self.monitor = monitor
@@ -423,7 +423,7 @@ class KernelScorer:
     def launch(
         self,
         q: torch.Tensor,
-        index_cache: formats.Cache,
+        index_cache: layouts.Cache,
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
         params: torch.Tensor,
@@ -452,7 +452,7 @@ class KernelScorer:
         )  # fmt: skip
 
     def parts(
-        self, index_cache: formats.Cache, cache_key: tuple | None = None
+        self, index_cache: layouts.Cache, cache_key: tuple | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         """What the binding reads keys through (:func:`cache_parts`) and the kernel instance's
         format id. The views nvfp4 needs are kept per tensor object (a page-major cache's two
@@ -483,7 +483,7 @@ class KernelScorer:
     def score_local(
         self,
         q: torch.Tensor,
-        index_cache: formats.Cache,
+        index_cache: layouts.Cache,
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
         out: torch.Tensor,
@@ -532,7 +532,7 @@ class KernelScorer:
                 init_blocks=init_blocks,
                 local_blocks=local_blocks,
                 q_src_stride=q_src_stride if q_src_stride is not None else 0,
-                q_row_stride=hps * formats.HEAD_DIM * self.elem,
+                q_row_stride=hps * layouts.HEAD_DIM * self.elem,
                 q_heads_per_src=hps,
                 dst=[out.data_ptr() + h * rows * cols * 4 for h in range(self.num_heads)],
                 dst_copies=1,

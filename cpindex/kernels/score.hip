@@ -43,6 +43,7 @@ struct VecOut {
   int h, row, cut;
 };
 
+[[maybe_unused]]  // as write_score: no scoring instance uses it in the base module
 CP_DEVICE VecOut vec_out(const ScoreParams& p, const Vecs& vs, int req, int v, bool on) {
   const int t = div_small(v, p.heads_magic);
   return {on && v < vs.count, v - t * vs.heads, req * vs.query_len + t, vs.query_len - 1 - t};
@@ -51,6 +52,7 @@ CP_DEVICE VecOut vec_out(const ScoreParams& p, const Vecs& vs, int req, int v, b
 // Item (request, block j) of one pass, one vector per lane: the lane's row's value with the row's
 // own causal length and the contract's forcing order. col is j (full layout) or the rank's shard
 // column k.
+[[maybe_unused]]  // the base module (CP_FORMATS 0, kernels/build.py) has no scoring instance
 CP_DEVICE void write_score(const ScoreParams& p, const VecOut& o, int j, int k, int len, bool bad,
                            float val) {
   if (!o.on) return;
@@ -570,6 +572,7 @@ int launch_nt(const ScoreParams& p, const PushState* push, int split, int grid, 
 template <int F>
 int launch_format(const ScoreParams& p, const PushState* push, bool wgmma, int split, int grid,
                   void* stream) {
+  if constexpr (!format_built(F)) return -1; else  // not in this module: nothing instantiated
   switch (query_tiles(p.query_len * p.num_heads)) {
     case 1: return launch_nt<F, 1, false>(p, push, split, grid, stream);
 #if CP_USE_MMA
@@ -605,6 +608,7 @@ int occupancy_nt(int split, int* ctas) {
 
 template <int F>
 int occupancy_format(int vectors, bool wgmma, int split, int* ctas) {
+  if constexpr (!format_built(F)) return -1; else
   switch (query_tiles(vectors)) {
     case 1: return occupancy_nt<F, 1, false>(split, ctas);
 #if CP_USE_MMA

@@ -378,7 +378,7 @@ def push_probe(ctx: Context) -> tuple[bool, str]:
         return False, f"needs a GPU (this rank runs on {ctx.device.type})"
     if ctx.world > structs.MAX_WORLD:
         return False, f"world size {ctx.world} > {structs.MAX_WORLD} peers per push kernel"
-    return kernels.available(ctx.device)
+    return kernels.available(ctx.device, ctx.config.cache_format)
 
 
 def identity(ctx: Context) -> dict:
