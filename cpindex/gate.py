@@ -133,6 +133,23 @@ class Gate:
         return blocks >= self.threshold_for(op)
 
 
+def disagreement_note(gate: Gate) -> str | None:
+    """What a context-parallel call that timed out waiting for its peers adds to its error
+    where the gate sends some calls below it (None where it sends none): the ranks it waited
+    for may have made the call below the gate (docs/contract.md, "The gate and
+    disagreement"). Its peers' sizes are not known here: that is the blind spot."""
+    score, select = gate.threshold_for("score_push"), gate.threshold_for("select_blocks")
+    if max(score, select) <= 0:
+        return None
+    sizes = f"{score} blocks" if score == select else f"{score} blocks ({select} for select_blocks)"
+    return (
+        f"A rank waited for here that passed this call fewer than {sizes}, requests x width, "
+        "made it below the CP gate: alone, compared with nothing, and returned. Ranks that "
+        'pass other sizes can fall on both sides of the gate (docs/contract.md, "The gate '
+        'and disagreement").'
+    )
+
+
 def page_bytes(fmt: str) -> int:
     """Bytes of one 128-token page of the index cache in ``fmt``."""
     return formats.PAGE_TOKENS * formats.BYTES_PER_TOKEN[fmt]

@@ -28,7 +28,7 @@ from .errors import (
     PeerTimeoutError,
     add_note,
 )
-from .gate import Gate
+from .gate import Gate, disagreement_note
 from .plan import Plan
 from .transports.base import Transport
 from .transports.local import LocalPath
@@ -308,6 +308,8 @@ class Runner:
         except BaseException as e:
             if self.broken is None and not usable:
                 self.broken = e
+            if isinstance(e, PeerTimeoutError) and (note := disagreement_note(self.gate)):
+                add_note(e, note)  # a peer may have made this call below the gate
             raise
 
     def _validate(
