@@ -34,8 +34,8 @@ collective             3           4                query stamp, scoring, interl
                                                     select: stamp, scoring, selection, merge
 =====================  ==========  ===============  ============================================
 
-So on the push transports ``select_blocks`` crosses over earlier than ``score_push`` (its local
-path pays two launches the push does not), and on ``collective`` a little later.
+So ``select_blocks`` crosses over earlier than ``score_push``: its local path pays two launches
+past the scoring, where the push pays none and ``collective`` one.
 
 The inputs:
 
