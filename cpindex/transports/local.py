@@ -30,6 +30,8 @@ the result views are this rank's alone (peers write candidates into their own re
 from __future__ import annotations
 
 import ctypes as C
+import functools
+from collections.abc import Callable
 
 import torch
 
@@ -58,7 +60,9 @@ class LocalPath:
         # images only, made by a call's first eager launch (a size first met inside a graph
         # capture records nothing but that launch).
         self._scores: Memo[tuple[torch.Tensor, torch.Tensor]] = Memo()
-        self._selects: Memo[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = Memo()
+        # select_blocks: (image, its merge bound to it, ids view, scores view)
+        self._selects: Memo[tuple[torch.Tensor, Callable[[], None], torch.Tensor, torch.Tensor]]
+        self._selects = Memo()
         if ctx.device.type == "cuda":
             cfg = ctx.config
             # The local kernel's own error word (device copy here, a pinned host mirror): its
@@ -127,14 +131,15 @@ class LocalPath:
             ids, vals = self.transport.selected_out(rows, topk)
             targets = self._targets(rows, topk, ids, vals)
             img = self._launch_new(call, self.transport.scores_out(rows, p.width), targets)
-            entry = self._selects.put(key, (img, ids, vals))
+            merge = functools.partial(scorer.mod.merge, img, scorer.device.index)
+            entry = self._selects.put(key, (img, merge, ids, vals))
         else:
             scorer.launch(
                 call.iq, call.index_cache, p.block_table, p.seq_lens, entry[0], width=p.width,
                 query_len=p.query_len, cache_key=call.cache_key,
             )  # fmt: skip
-        img, ids, vals = entry
-        scorer.merge(img)
+        _, merge, ids, vals = entry
+        merge()  # KernelScorer.merge: the W = 1 candidates into ids and scores, ascending
         return ids.detach(), vals.detach()
 
     def _targets(
