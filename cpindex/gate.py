@@ -311,7 +311,10 @@ def _measure(
     ready = comm.all_gather_object(prepared is not None)
     if not all(ready):
         return None, why or "a peer could not prepare the measurement"
-    return prepared(), ""  # type: ignore[misc]
+    try:  # every rank reaches the gather of reports after it, whatever happens here
+        return prepared(), ""  # type: ignore[misc]
+    except Exception as e:
+        return None, f"the measurement failed: {type(e).__name__}: {e}"
 
 
 def _prepare(config, comm, device, transport, local):
@@ -358,16 +361,21 @@ def _prepare(config, comm, device, transport, local):
     def rounds() -> tuple[float, float]:
         for _ in range(MEASURE_WARMUP):
             one()
-        torch.cuda.synchronize(device)
+        _sync(device)
         comm.barrier()
         t0 = time.perf_counter()
         for _ in range(MEASURE_CALLS):
             one()
-        torch.cuda.synchronize(device)
+        _sync(device)
         t = (time.perf_counter() - t0) / MEASURE_CALLS
         return t, t
 
     return rounds
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _time_gpu(fn, comm: Comm, device: torch.device) -> float:

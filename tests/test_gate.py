@@ -458,3 +458,26 @@ def test_each_op_takes_its_own_threshold(monkeypatch):
             want = _want(case, rank, 2)
             for k in ("scores", "ids", "vals"):
                 assert torch.equal(out[case.name][k], want[k]), (rank, case.name, k)
+
+
+def test_auto_on_distinct_devices_measures_and_agrees(monkeypatch):
+    """Ranks placed on distinct devices run the model (CPU ranks told here that they are on
+    distinct GPUs): ``collective`` times its rounds, adds each op's launch difference, and
+    every rank holds the largest measurement's two thresholds."""
+    import threading
+
+    monkeypatch.setattr(gate, "_placement", lambda device: ("host", threading.get_ident()))
+
+    def body(comm):
+        with IndexCP(_cfg(cp_min_blocks="auto"), device="cpu", comm=comm) as cp:
+            g = cp.gate
+            return g.source, g.threshold, g.select_threshold, g.extra_s, g.t_exchange_s
+
+    got = run_threads(2, body)
+    assert got[0] == got[1]
+    source, score, select, extra, t_ex = got[0]
+    assert source == "measured" and t_ex > 0
+    assert extra == pytest.approx(gate.extra_costs(t_ex, "collective"))
+    page = gate.page_bytes("nvfp4")
+    assert score == gate.crossover_blocks(extra[0], gate.DEFAULT_BANDWIDTH, page, 2)
+    assert select == gate.crossover_blocks(extra[1], gate.DEFAULT_BANDWIDTH, page, 2)
