@@ -155,12 +155,7 @@ def _sweep(comm: Comm, spec: Spec, device: torch.device, progress: Progress) -> 
     for cp in cps.values():
         cp.close()
     return {
-        "format": spec.fmt,
-        "world": w,
-        "query_len": spec.query_len,
-        "op": spec.op,
-        "iters": spec.iters,
-        "device": str(device),
+        **_head(spec, w, device),
         "distinct_gpus": gate.source in ("measured", "model"),
         "transport": transport,
         "graphs": spec.graphs and device.type == "cuda",
@@ -358,12 +353,7 @@ def _deploy_sweep(comm: Comm, spec: Spec, device: torch.device, progress: Progre
     local.close()
     cp_host.close()
     return {
-        "format": spec.fmt,
-        "world": w,
-        "query_len": spec.query_len,
-        "op": spec.op,
-        "iters": spec.iters,
-        "device": str(device),
+        **_head(spec, w, device),
         "mode": "deployment",
         "distinct_gpus": False,
         "transport": transport,
@@ -379,6 +369,18 @@ def _deploy_sweep(comm: Comm, spec: Spec, device: torch.device, progress: Progre
             "page_bytes": g.page_bytes,
         },
         "rows": rows_out,
+    }
+
+
+def _head(spec: Spec, world: int, device: torch.device) -> dict:
+    """What every sweep's results start with."""
+    return {
+        "format": spec.fmt,
+        "world": world,
+        "query_len": spec.query_len,
+        "op": spec.op,
+        "iters": spec.iters,
+        "device": str(device),
     }
 
 
