@@ -28,14 +28,15 @@ is the exchange plus the difference in launches:
 =====================  ==========  ===============  ============================================
 path                   score_push  select_blocks    launches (device ops) beside the exchange
 =====================  ==========  ===============  ============================================
-local                  1           3                scoring; + selection (after it), merge
+local                  1           2                scoring; + selection and merge (one kernel)
 push (ipc, mori)       1           1                one launch: score, select, merge, handshake
 collective             3           4                query stamp, scoring, interleave copy; for
                                                     select: stamp, scoring, selection, merge
 =====================  ==========  ===============  ============================================
 
-So ``select_blocks`` crosses over earlier than ``score_push``: its local path pays two launches
-past the scoring, where the push pays none and ``collective`` one.
+On the push transports ``select_blocks`` crosses over earlier than ``score_push`` (its local
+path pays a launch past the scoring that the push does not); on ``collective`` the two cross
+together.
 
 The inputs:
 
@@ -91,7 +92,7 @@ DEFAULT_EXCHANGE_S = {"ipc": 8e-6, "mori": 8e-6, "collective": 30e-6}
 #: Kernel launches (or small device ops) per call beside the exchange, per path and op (the
 #: module docstring's table). The push transports' one launch scores, selects and merges.
 LAUNCHES = {
-    "local": {"score_push": 1, "select_blocks": 3},
+    "local": {"score_push": 1, "select_blocks": 2},
     "push": {"score_push": 1, "select_blocks": 1},
     "collective": {"score_push": 3, "select_blocks": 4},
 }

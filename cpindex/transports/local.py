@@ -6,14 +6,17 @@ the transport returns, so a caller tells the two apart by speed only.
 One :class:`LocalPath` serves every transport. On a GPU it runs the fused kernel in local mode as
 a world of one (rank 0 of 1, ``heads_per_rank`` heads), writing straight into the transport's
 score view. ``select_blocks`` (``topk`` up to ``structs.MAX_FUSED_TOPK``) is the collective
-transport's fused selection in a world of one: the scoring launch keeps each (row, head)'s top
-``topk`` of every block as keys in a small candidate buffer of this path's own, and the merge
-kernel writes them, ids ascending, into the transport's result views; no torch op runs. Larger
-``topk`` select with :func:`cpindex.selection.select` from the scores, as on the CPU, where the
+transport's fused selection in a world of one: the kernel that the scoring launch runs after
+the scoring keeps each (row, head)'s top ``topk`` of every block as keys in a small candidate
+buffer of this path's own, and, its candidates being where the merge reads them, each warp then
+merges the items it selected, writing ids ascending into the transport's result views
+(score.hip, ``after_local_kernel``); no torch op runs, no merge launch follows. Larger ``topk``
+select with :func:`cpindex.selection.select` from the scores, as on the CPU, where the
 reference scores this rank's heads.
 
-Per call on a GPU: the scoring launch (score_push), or the scoring launch and the merge launch
-(select_blocks), each from a parameter image made once per static size. Nothing is allocated.
+Per call on a GPU: one call of the binding from a parameter image made once per static size
+(score_push: the scoring kernel; select_blocks: it and the selection kernel). Nothing is
+allocated.
 
 Why the kernel may write into a push transport's receive buffer here, which peers write into
 during pushed calls: a peer writes call ``N``'s scores into this rank's buffer only after it has
@@ -30,8 +33,6 @@ the result views are this rank's alone (peers write candidates into their own re
 from __future__ import annotations
 
 import ctypes as C
-import functools
-from collections.abc import Callable
 
 import torch
 
@@ -60,9 +61,7 @@ class LocalPath:
         # images only, made by a call's first eager launch (a size first met inside a graph
         # capture records nothing but that launch).
         self._scores: Memo[tuple[torch.Tensor, torch.Tensor]] = Memo()
-        # select_blocks: (image, its merge bound to it, ids view, scores view)
-        self._selects: Memo[tuple[torch.Tensor, Callable[[], None], torch.Tensor, torch.Tensor]]
-        self._selects = Memo()
+        self._selects: Memo[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = Memo()
         if ctx.device.type == "cuda":
             cfg = ctx.config
             # The local kernel's own error word (device copy here, a pinned host mirror): its
@@ -131,22 +130,21 @@ class LocalPath:
             ids, vals = self.transport.selected_out(rows, topk)
             targets = self._targets(rows, topk, ids, vals)
             img = self._launch_new(call, self.transport.scores_out(rows, p.width), targets)
-            merge = functools.partial(scorer.mod.merge, img, scorer.device.index)
-            entry = self._selects.put(key, (img, merge, ids, vals))
+            entry = self._selects.put(key, (img, ids, vals))
         else:
             scorer.launch(
                 call.iq, call.index_cache, p.block_table, p.seq_lens, entry[0], width=p.width,
                 query_len=p.query_len, cache_key=call.cache_key,
             )  # fmt: skip
-        _, merge, ids, vals = entry
-        merge()  # KernelScorer.merge: the W = 1 candidates into ids and scores, ascending
+        _, ids, vals = entry
         return ids.detach(), vals.detach()
 
     def _targets(
         self, rows: int, topk: int, ids: torch.Tensor, vals: torch.Tensor
     ) -> SelectTargets:
         """Where a world of one's selection goes: head h's keys to ``[h, rows, topk]`` of the
-        candidate buffer, which the merge reads as ``[1, hpr, rows, topk]``."""
+        candidate buffer, which the merge reads as ``[1, hpr, rows, topk]``. ``cand`` equal to
+        ``cand_dst[0]`` is what tells the kernel to merge in the same launch."""
         base = self._cand.data_ptr()  # type: ignore[union-attr]
         return SelectTargets(
             topk=topk,
