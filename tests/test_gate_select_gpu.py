@@ -33,14 +33,15 @@ DEV = "cuda:0"
 MAX_TOPK = 16
 LOCAL_ALWAYS = 1 << 40  # cp_min_blocks no call reaches: every call below the gate
 
-#: (requests, width, init_blocks, local_blocks): a width below topk, ragged rows, forcing.
-SIZES = [(3, 7, 0, 1), (2, 40, 2, 1), (5, 21, 1, 2)]
+#: (requests, width, init_blocks, local_blocks): a width below topk, ragged rows, forcing, and
+#: a width past two keys per lane (the kernel's selection by rounds rather than by counting).
+SIZES = [(3, 7, 0, 1), (2, 40, 2, 1), (5, 21, 1, 2), (2, 150, 1, 1)]
 
 
 def _cfg(fmt: str, transport: str, heads: int, **kw) -> CPIndexConfig:
     base = dict(
         transport=transport, cache_format=fmt, num_heads=heads, max_rows=5 * 8,
-        max_query_len=8, max_width=48, max_topk=MAX_TOPK, timeout_s=20.0,
+        max_query_len=8, max_width=160, max_topk=MAX_TOPK, timeout_s=20.0,
     )  # fmt: skip
     return CPIndexConfig(**{**base, **kw})
 
