@@ -655,8 +655,8 @@ def _deploy_legend(results: list[dict]) -> list[str]:
         "  replays; select_blocks: scoring, the shard's candidates and the merge) + the model's",
         "  exchange latency; local us = the rank's own heads over every block, through IndexCP's",
         "  local path. Consecutive calls read other copies of the pages (as other layers' caches",
-        "  would). host CP / host loc: host us per eager call (IndexCP, a world of one; CP: the",
-        "  transport pushing alone).",
+        "  would; 8 to 32 calls a graph). host CP / host loc: host us per eager call (IndexCP, a",
+        "  world of one; CP: the transport pushing alone).",
         "per op (crossover from the times above; auto: the model's threshold on W such GPUs):",
     ]
     by = {(r["format"], r["query_len"], r["op"]): r for r in results}
