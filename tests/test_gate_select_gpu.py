@@ -4,8 +4,8 @@ bit for bit the context-parallel path's result and the contract's selection (§6
 The one-process world on one GPU, every rank of W = 2 (two heads per rank) and W = 4 (one;
 and two ranks per head with H = 2), ``ipc`` and ``collective`` as the context-parallel path.
 Every format, T = 1, 4 and 8, ragged lengths (rows with fewer blocks than ``topk``), a width
-below ``topk``, forced blocks (``init_blocks``/``local_blocks``) and every ``topk`` from 1 to
-16. Per call, the local path's ids and scores must equal:
+below ``topk``, forced blocks (``init_blocks``/``local_blocks``), exact ties (blocks that read
+one page) and every ``topk`` from 1 to 16. Per call, the local path's ids and scores must equal:
 
 * the context-parallel path's, bit for bit;
 * the selection the contract defines, made here by a stable sort (§6: ties to the lower block
@@ -54,6 +54,9 @@ def _problems(fmt: str, t: int, heads: int) -> list[tuple[testing.Problem, int, 
             seed=100 * t + 10 * i + heads,
         )  # fmt: skip
         p.width = width  # the last columns lie past every row: -inf
+        if width >= 8:  # exact ties: blocks 4 and 6 read block 3's page (ties to the lower id)
+            p.block_table[:, 4] = p.block_table[:, 3]
+            p.block_table[:, 6] = p.block_table[:, 3]
         out.append((p.to(DEV), init, local))
     return out
 
