@@ -28,7 +28,7 @@ from .errors import (
     PeerTimeoutError,
     add_note,
 )
-from .gate import Gate
+from .gate import Gate, disagreement_note
 from .plan import Plan
 from .transports.base import Transport
 from .transports.local import LocalPath
@@ -122,15 +122,16 @@ class Runner:
         )
         # Fixed for the instance's life, read on every call.
         self._cp_from = gate.threshold
+        self._cp_from_select = gate.threshold_for(SELECT)
         self._lockstep = transport.host_lockstep
         self._headers = lockstep.HeaderTexts(instance, self.digest, self.replica_head)
         self._sync = config.error_check == "sync" and device.type == "cuda"
 
     # ---- the gate ---------------------------------------------------------------------------
-    def uses_cp(self, blocks: int | None) -> bool:
-        """Whether a call of ``blocks`` (``requests * width``) goes context-parallel; None
-        (sizes unknown: arguments that will be refused) counts as context-parallel."""
-        return blocks is None or self.gate.uses_cp(blocks)
+    def uses_cp(self, blocks: int | None, op: str = SCORE) -> bool:
+        """Whether an ``op`` call of ``blocks`` (``requests * width``) goes context-parallel;
+        None (sizes unknown: arguments that will be refused) counts as context-parallel."""
+        return blocks is None or self.gate.uses_cp(blocks, op)
 
     # ---- validation -----------------------------------------------------------------------
     def new_fingerprint(self) -> torch.Tensor | None:
@@ -258,7 +259,7 @@ class Runner:
                 # Exact after validation; before it, from the raw arguments where they tell.
                 blocks = call.plan.blocks if call is not None else static_blocks(block_table, width)
                 own = e is pending or isinstance(e, (TypeError, ValueError))
-                if not self.uses_cp(blocks):  # below the gate no peer waits: never a refusal round
+                if not self.uses_cp(blocks, op):  # below the gate no peer waits: no refusal round
                     if own:
                         self.calls -= 1
                         usable = True
@@ -267,7 +268,7 @@ class Runner:
                 if not usable:
                     self.refuse(op, e)
                 raise
-            if call.plan.blocks < self._cp_from:  # below the gate
+            if call.plan.blocks < (self._cp_from_select if op == SELECT else self._cp_from):
                 local = self.local
                 out = local.select_blocks(call, topk) if op == SELECT else local.score_push(call)
                 if self._sync:
@@ -307,6 +308,8 @@ class Runner:
         except BaseException as e:
             if self.broken is None and not usable:
                 self.broken = e
+            if isinstance(e, PeerTimeoutError) and (note := disagreement_note(self.gate)):
+                add_note(e, note)  # a peer may have made this call below the gate
             raise
 
     def _validate(

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cpindex import CPIndexConfig, IndexCP, partition, reference, testing
+from cpindex import CPIndexConfig, IndexCP, gate, partition, reference, testing
 from cpindex.comm import TorchComm
 from cpindex.spawn import spawn_processes
 from cpindex.world import run_threads
@@ -377,3 +377,107 @@ def test_config_field():
     for bad in (-1, True, 2.5, "some", None):
         with pytest.raises(ValueError, match="cp_min_blocks"):
             CPIndexConfig(cp_min_blocks=bad)
+
+
+# ---- the model (gate.py's docstring) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", ["ipc", "mori", "collective"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_the_model_gives_each_op_its_crossover(transport, fmt, world):
+    """Each op's threshold is the fewest blocks from which the model's CP time (its fixed
+    costs, the scan of 1/W of the pages) is below the local time (its fixed costs, the scan of
+    every page): at it CP is not slower, one block below it CP is slower."""
+    bw = 3.35e12
+    g = gate.modeled(fmt, transport, world, bw)
+    kind = "collective" if transport == "collective" else "push"
+    t_ex = gate.DEFAULT_EXCHANGE_S[transport]
+    assert g.t_exchange_s == t_ex and g.page_bytes == gate.page_bytes(fmt) and g.source == "model"
+    for i, op in enumerate(gate.OPS):
+        launches = gate.LAUNCHES[kind][op] - gate.LAUNCHES["local"][op]
+        extra = t_ex + launches * gate.LAUNCH_S
+        assert g.extra_s[i] == pytest.approx(extra)
+        b = g.threshold_for(op)
+        scan = g.page_bytes / bw  # seconds per block
+        local = gate.LAUNCHES["local"][op] * gate.LAUNCH_S
+        cp = local + extra
+        assert cp + b * scan / world <= local + b * scan + 1e-15, (op, b)
+        assert cp + (b - 1) * scan / world > local + (b - 1) * scan, (op, b)
+        assert g.uses_cp(b, op) and not g.uses_cp(b - 1, op)
+    # push: select_blocks' local path pays a launch the push does not: it crosses first
+    score, select = g.threshold, g.select_threshold
+    assert (select < score) if kind == "push" else (select == score)
+
+
+def test_gate_thresholds_per_op():
+    one = gate.Gate(40, "config")
+    assert one.threshold_for("select_blocks") == one.threshold_for("score_push") == 40
+    assert one.uses_cp(40, "select_blocks") and not one.uses_cp(39)
+    two = gate.Gate(40, "model", select_threshold=25)
+    assert two.uses_cp(30, "select_blocks") and not two.uses_cp(30, "score_push")
+    assert gate.crossover_blocks(-1e-6, 3e12, 9216, 4) == 0  # CP has no extra cost: always
+    with pytest.raises(ValueError, match="world"):
+        gate.crossover_blocks(1e-5, 3e12, 9216, 1)
+    assert gate.disagreement_note(gate.Gate(0, "shared device")) is None
+    note = gate.disagreement_note(two)
+    assert "fewer than 40 blocks (25 for select_blocks)" in note and "below the CP gate" in note
+
+
+def test_each_op_takes_its_own_threshold(monkeypatch):
+    """A gate whose thresholds differ (score_push 24 blocks, select_blocks 30): a call of 28
+    blocks pushes its scores context-parallel (a header round) and selects locally (none); one
+    of 32 blocks does both context-parallel. Every result is the reference's."""
+    monkeypatch.setattr(
+        gate, "resolve", lambda *a: gate.Gate(THRESHOLD, "model", select_threshold=30)
+    )
+    mid, big = Case("mid", 2, 14, 1), Case("big", 2, 16, 1)
+
+    def body(comm):
+        out = {}
+        with IndexCP(_cfg(), device="cpu", comm=comm) as cp:
+            for case in (mid, big):
+                p = case.problem()
+                args = _args(p, case, comm.rank, comm.world_size)
+                before = _rounds(cp)
+                scores = cp.score_push(*args).clone()
+                pushed = _rounds(cp)
+                ids, vals = cp.select_blocks(*args, topk=TOPK, return_scores=True)
+                out[case.name] = {
+                    "rounds": [pushed - before, _rounds(cp) - pushed],
+                    "scores": scores,
+                    "ids": ids.clone(),
+                    "vals": vals.clone(),
+                }
+        return out
+
+    res = run_threads(2, body)
+    for rank, out in enumerate(res):
+        assert out["mid"]["rounds"] == [1, 0] and out["big"]["rounds"] == [1, 1], out
+        for case in (mid, big):
+            want = _want(case, rank, 2)
+            for k in ("scores", "ids", "vals"):
+                assert torch.equal(out[case.name][k], want[k]), (rank, case.name, k)
+
+
+def test_auto_on_distinct_devices_measures_and_agrees(monkeypatch):
+    """Ranks placed on distinct devices run the model (CPU ranks told here that they are on
+    distinct GPUs): ``collective`` times its rounds, adds each op's launch difference, and
+    every rank holds the largest measurement's two thresholds."""
+    import threading
+
+    monkeypatch.setattr(gate, "_placement", lambda device: ("host", threading.get_ident()))
+
+    def body(comm):
+        with IndexCP(_cfg(cp_min_blocks="auto"), device="cpu", comm=comm) as cp:
+            g = cp.gate
+            return g.source, g.threshold, g.select_threshold, g.extra_s, g.t_exchange_s
+
+    got = run_threads(2, body)
+    assert got[0] == got[1]
+    source, score, select, extra, t_ex = got[0]
+    assert source == "measured" and t_ex > 0
+    assert extra == pytest.approx(gate.extra_costs(t_ex, "collective"))
+    page = gate.page_bytes("nvfp4")
+    assert score == gate.crossover_blocks(extra[0], gate.DEFAULT_BANDWIDTH, page, 2)
+    assert select == gate.crossover_blocks(extra[1], gate.DEFAULT_BANDWIDTH, page, 2)

@@ -178,3 +178,57 @@ def test_bench_gate_through_the_cli(capsys, tmp_path):
         assert f"faster path at {s['auto_faster_at']} of 4 sizes" in auto_line
     assert "Times: median per call in us over 2 timed repetitions (eager calls)" in stdout
     assert stdout.rstrip().endswith(f"wrote {out}")
+
+
+def _deploy_res(op: str, rows: list[dict], threshold: int) -> dict:
+    res = _res(rows, threshold=threshold, source="model", t_exchange_s=8e-6)
+    res.update(op=op, mode="deployment", distinct_gpus=False)
+    return res
+
+
+def _deploy_row(requests, ctx, blocks, cp_us, local_us, auto, host_cp, host_local):
+    row = _row(requests, ctx, blocks, cp_us, local_us, auto)
+    best = min(cp_us, local_us)
+    row["auto_within"] = (cp_us if auto else local_us) <= best * 1.05
+    row["host_us"] = {"cp": host_cp, "local": host_local}
+    return row
+
+
+def test_deployment_tables_and_the_targets_under_them():
+    """One GPU's deployment mode (hand-made results): host columns in the table, auto within
+    5 % per sweep, and under the tables each op's crossover and threshold per format and T
+    with the local path's targets (select/score host ratio, select's graph overhead)."""
+    score = _deploy_res(
+        "score_push",
+        [
+            _deploy_row(1, 4096, 32, 20.0, 8.0, False, 25.0, 24.0),
+            _deploy_row(32, 131072, 32768, 100.0, 350.0, True, 26.0, 24.0),
+        ],
+        4000,
+    )
+    select = _deploy_res(
+        "select_blocks",
+        [
+            _deploy_row(1, 4096, 32, 22.0, 10.0, False, 27.0, 28.0),
+            _deploy_row(32, 131072, 32768, 101.0, 352.5, True, 28.0, 27.0),
+        ],
+        2000,
+    )
+    for res in (score, select):
+        res["summary"] = gate_sweep.summary(res)
+        assert res["summary"]["auto_within_5pct_at"] == 2
+    lines = gate_sweep.table(select).splitlines()
+    assert "one GPU, per rank per call as 4 GPUs would see it" in lines[0]
+    assert lines[1].split()[-4:] == ["host", "CP", "host", "loc"]
+    assert lines[2].split()[-2:] == ["27.0", "28.0"]
+    assert "within 5 % of the faster path at 2 of 2 sizes" in gate_sweep.table(select)
+    assert "host us per eager call (median over the sizes): CP 27.5, local 27.5" in (
+        gate_sweep.table(select)
+    )
+    legend = gate_sweep.legend([score, select])
+    want = (
+        "  nvfp4 T=1: score_push crossover 32768, auto 4000 (within 5 % at 2/2); "
+        "select_blocks crossover 32768, auto 2000 (within 5 % at 2/2); local select/score "
+        "host 1.15x, local select - scan in a graph at most 2.5 us"
+    )
+    assert want in legend.splitlines(), legend

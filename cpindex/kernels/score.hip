@@ -493,6 +493,13 @@ __global__ void __launch_bounds__(kThreads) after_local_kernel(const ScoreParams
   const bool agreed = p.trailer <= 0 || trailers_agree(p);
   if (p.topk > 0) {
     if (agreed) select_local(p);
+    // A world of one whose candidates land where its merge reads them (the local path below
+    // the CP gate): each warp merges the items it has just selected (merge_candidates walks
+    // the same (row, head) items over the same grid), so no merge launch follows.
+    if (agreed && p.world == 1 && p.cand == p.cand_dst[0]) {
+      cp_syncwarp();  // the warp's candidate stores before its lanes read them
+      merge_candidates(p);
+    }
   } else if (!agreed) {
     poison_outputs(p, (int64_t)blockIdx.x * kThreads + threadIdx.x, (int64_t)gridDim.x * kThreads);
   }
