@@ -85,7 +85,7 @@ def checked_blocks(plan: object) -> int | None:
     if not isinstance(plan, Plan) or plan.checked is None:
         return None
     try:
-        return int(plan.checked[1][0]) * int(plan.checked[-1])
+        return int(plan.checked[1][0]) * int(plan.checked[9])  # requests * width
     except Exception:
         return None
 
