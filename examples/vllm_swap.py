@@ -17,9 +17,9 @@ and the result is this rank's head, float32 ``[1, rows, width]``. Everything els
 
 One process per rank (NCCL, one GPU each, when there are enough GPUs; otherwise gloo on the
 CPU). Each rank keeps a replicated page pool (nvfp4: vLLM's ``uint8 [pages, 128, 72]``),
-writes every new token's key into its slot, decodes T = 4 rows per request per step, captures
-the call in a CUDA graph after one eager step where the transport allows it, and checks its
-head against ``cpindex.reference`` every step.
+writes every new token's key into its slot (``cpindex.formats.write_keys``), decodes T = 4
+rows per request per step, captures the call in a CUDA graph after one eager step where the
+transport allows it, and checks its head against ``cpindex.reference`` every step.
 """
 
 from __future__ import annotations
@@ -49,23 +49,6 @@ def empty_cache(fmt: str, device: torch.device) -> torch.Tensor:
     return torch.zeros(PAGES, 128, 128, device=device).to(dtype)
 
 
-def write_keys(cache: torch.Tensor, fmt: str, keys: torch.Tensor, slots: torch.Tensor) -> None:
-    """Store float keys ``[n, 128]`` at slots ``page * 128 + token``, as the model's writer
-    does. ``formats.quantize`` works on whole pages, and a token's bytes depend only on its own
-    128 values: each key is quantized in row 0 of a staging page, then its bytes are copied."""
-    staging = torch.zeros(keys.shape[0], 128, 128)
-    staging[:, 0] = keys
-    new = formats.quantize(staging, fmt).to(cache.device)
-    page, token = (slots // 128).to(cache.device), (slots % 128).to(cache.device)
-    if fmt == "nvfp4":  # codes and scales wherever the cache's layout keeps them
-        values, scales = formats.nvfp4_views(cache)
-        new_values, new_scales = formats.nvfp4_views(new)
-        values[page, token] = new_values[:, 0]
-        scales[page, token] = new_scales[:, 0]
-    else:  # bf16 / fp8, as bytes
-        cache.view(torch.uint8)[page, token] = new.view(torch.uint8)[:, 0]
-
-
 def rms_normed(gen: torch.Generator, n: int) -> torch.Tensor:
     x = torch.randn(n, 128, generator=gen)
     return x / x.pow(2).mean(-1, keepdim=True).sqrt()
@@ -91,7 +74,8 @@ def decode(cp: IndexCP, rank: int, world: int, steps: int, device: torch.device)
     lens = list(PROMPTS)
     for r, n in enumerate(PROMPTS):  # prefill
         pos = torch.arange(n)
-        write_keys(cache, fmt, rms_normed(gen, n), table_host[r, pos // 128] * 128 + pos % 128)
+        slots = (table_host[r, pos // 128] * 128 + pos % 128).to(device)  # page * 128 + token
+        formats.write_keys(cache, rms_normed(gen, n).to(device), slots)
 
     # Static inputs: a captured graph reads these addresses, so each step refreshes them in place.
     iq = torch.zeros(requests * T, 128, device=device).to(formats.query_dtype(fmt))
@@ -105,7 +89,8 @@ def decode(cp: IndexCP, rank: int, world: int, steps: int, device: torch.device)
     for step in range(steps):
         for r in range(requests):  # this step's T new tokens of each request
             pos = torch.arange(lens[r], lens[r] + T)
-            write_keys(cache, fmt, rms_normed(gen, T), table_host[r, pos // 128] * 128 + pos % 128)
+            slots = (table_host[r, pos // 128] * 128 + pos % 128).to(device)
+            formats.write_keys(cache, rms_normed(gen, T).to(device), slots)
             lens[r] += T
         q_all = (torch.randn(requests * T, world, 128, generator=gen) * 2).to(iq.dtype)
         iq.copy_(q_all[:, rank].to(device))  # this rank's head only
