@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, overload
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -294,30 +294,6 @@ class IndexCP:
             BrokenInstanceError: an earlier call failed on this rank; :meth:`reset` first.
         """
         return self._runner.call(SCORE, iq, index_cache, plan, tag)
-
-    @overload
-    def select_blocks(
-        self,
-        iq: torch.Tensor,
-        index_cache: formats.Cache,
-        plan: Plan,
-        *,
-        topk: int = 16,
-        tag: int | None = None,
-        return_scores: Literal[False] = False,
-    ) -> torch.Tensor: ...
-
-    @overload
-    def select_blocks(
-        self,
-        iq: torch.Tensor,
-        index_cache: formats.Cache,
-        plan: Plan,
-        *,
-        topk: int = 16,
-        tag: int | None = None,
-        return_scores: Literal[True],
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def select_blocks(
         self,

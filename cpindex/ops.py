@@ -258,17 +258,7 @@ def _score_push_fake(handle, iq, cache, scales, plan, block_table, seq_lens, wid
 
 
 @_register("score_push", _score_push_fake)
-def _score_push(
-    handle: int,
-    iq: torch.Tensor,
-    cache: torch.Tensor,
-    scales: torch.Tensor | None,
-    plan: int,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    width: int,
-    tag: int | None = None,
-) -> torch.Tensor:
+def _score_push(handle, iq, cache, scales, plan, block_table, seq_lens, width, tag=None):
     p = _plan_of(plan, block_table, seq_lens, width)
     return _instances[handle].score_push(iq, _join(cache, scales), p, tag=tag).clone()
 
@@ -287,27 +277,16 @@ def score_push(
     )  # fmt: skip
 
 
-def _select_blocks_fake(
-    handle, iq, cache, scales, plan, block_table, seq_lens, width, topk=16, tag=None
-):
+def _select_blocks_fake(handle, iq, cache, scales, plan, block_table, seq_lens, width, topk=16,
+                        tag=None):  # fmt: skip
     hpr = iq.shape[1] if iq.dim() == 3 else 1  # from iq, not the handle (see score_push's)
     shape = (hpr, iq.shape[0], topk)
     return iq.new_empty(shape, dtype=torch.int32), iq.new_empty(shape, dtype=torch.float32)
 
 
 @_register("select_blocks", _select_blocks_fake)
-def _select_blocks(
-    handle: int,
-    iq: torch.Tensor,
-    cache: torch.Tensor,
-    scales: torch.Tensor | None,
-    plan: int,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    width: int,
-    topk: int = 16,
-    tag: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _select_blocks(handle, iq, cache, scales, plan, block_table, seq_lens, width, topk=16,
+                   tag=None):  # fmt: skip
     p = _plan_of(plan, block_table, seq_lens, width)
     ids, scores = _instances[handle].select_blocks(
         iq, _join(cache, scales), p, topk=topk, tag=tag, return_scores=True

@@ -216,94 +216,88 @@ class Runner:
         messages formatted unless raised, every check before anything is launched."""
         self._acquire(op)
         try:
-            return self._call(op, iq, index_cache, plan, tag, topk, return_scores)
+            if self.broken is not None:
+                e = self.broken
+                raise BrokenInstanceError(
+                    f"rank {self.rank}: {op} refused: this IndexCP failed earlier "
+                    f"({type(e).__name__}: {e}). Ranks may be out of step; call reset() on "
+                    "every rank to go on."
+                ) from e
+            usable = False  # a failure no peer waits on: the instance stays usable
+            try:
+                self.calls += 1
+                pending = call = None
+                try:
+                    self.transport.check()  # a previous call's recorded failure, no sync
+                    pending = self.local.take_error()  # one a call below the gate recorded
+                    if pending is not None:
+                        raise pending
+                    call = self.checker.planned(iq, index_cache, plan, tag)
+                    if op == SELECT:
+                        topk = check_topk(self.config, topk, return_scores)
+                except Exception as e:
+                    # Exact after validation; before it, as the plan was checked.
+                    blocks = call.plan.blocks if call is not None else checked_blocks(plan)
+                    own = e is pending or isinstance(e, (TypeError, ValueError))
+                    if not self.uses_cp(
+                        blocks
+                    ):  # below the gate no peer waits: never a refusal round
+                        if own:
+                            self.calls -= 1
+                            usable = True
+                        raise
+                    usable = self.world == 1 and own
+                    if not usable:
+                        self.refuse(op, e)
+                    raise
+                if call.plan.blocks < self._cp_from:  # below the gate
+                    local = self.local
+                    out = (
+                        local.select_blocks(call, topk) if op == SELECT else local.score_push(call)
+                    )
+                    if self._sync:
+                        torch.cuda.current_stream(self.device).synchronize()
+                        pending = local.take_error()
+                        if pending is not None:
+                            usable = True  # this rank's own input: the call counts, as the peers'
+                            raise pending
+                    return out
+                if self._lockstep:
+                    header = self._headers.text(
+                        op, self.calls, call, topk if op == SELECT else None
+                    )
+                    lockstep.agree_call(self.comm, header, self.calls, self.config.timeout_s)
+                transport = self.transport
+                try:
+                    out = (
+                        transport.select_blocks(call, topk)
+                        if op == SELECT
+                        else transport.score_push(call)
+                    )
+                except BaseException as e:
+                    if self._lockstep and not isinstance(e, _PEER_ERRORS):
+                        # The header passed, so peers may wait in this call's collectives.
+                        self.left_mid_call = (
+                            f"rank {self.rank} left call {self.calls} after its header round "
+                            f"({type(e).__name__}: {e})"
+                        )
+                    if isinstance(e, lockstep.DIST_ERRORS):  # never a raw backend error
+                        raise lockstep.lost_connection(
+                            self.comm, f"call {self.calls} ({op})", f"{type(e).__name__}: {e}",
+                            self.calls,
+                        ) from e  # fmt: skip
+                    raise
+                if self._sync:
+                    torch.cuda.current_stream(self.device).synchronize()
+                    transport.check()
+                return out
+            except BaseException as e:
+                if self.broken is None and not usable:
+                    self.broken = e
+                raise
         finally:
             self.others.release()
             self.busy.release()
-
-    def _call(
-        self,
-        op: str,
-        iq: object,
-        index_cache: object,
-        plan: object,
-        tag: object,
-        topk: object,
-        return_scores: object,
-    ) -> Any:
-        if self.broken is not None:
-            e = self.broken
-            raise BrokenInstanceError(
-                f"rank {self.rank}: {op} refused: this IndexCP failed earlier "
-                f"({type(e).__name__}: {e}). Ranks may be out of step; call reset() on "
-                "every rank to go on."
-            ) from e
-        usable = False  # a failure no peer waits on: the instance stays usable
-        try:
-            self.calls += 1
-            pending = call = None
-            try:
-                self.transport.check()  # a previous call's recorded failure, no sync
-                pending = self.local.take_error()  # one a call below the gate recorded
-                if pending is not None:
-                    raise pending
-                call = self.checker.planned(iq, index_cache, plan, tag)
-                if op == SELECT:
-                    topk = check_topk(self.config, topk, return_scores)
-            except Exception as e:
-                # Exact after validation; before it, as the plan was checked.
-                blocks = call.plan.blocks if call is not None else checked_blocks(plan)
-                own = e is pending or isinstance(e, (TypeError, ValueError))
-                if not self.uses_cp(blocks):  # below the gate no peer waits: never a refusal round
-                    if own:
-                        self.calls -= 1
-                        usable = True
-                    raise
-                usable = self.world == 1 and own
-                if not usable:
-                    self.refuse(op, e)
-                raise
-            if call.plan.blocks < self._cp_from:  # below the gate
-                local = self.local
-                out = local.select_blocks(call, topk) if op == SELECT else local.score_push(call)
-                if self._sync:
-                    torch.cuda.current_stream(self.device).synchronize()
-                    pending = local.take_error()
-                    if pending is not None:
-                        usable = True  # this rank's own input: the call counts, as the peers'
-                        raise pending
-                return out
-            if self._lockstep:
-                header = self._headers.text(op, self.calls, call, topk if op == SELECT else None)
-                lockstep.agree_call(self.comm, header, self.calls, self.config.timeout_s)
-            transport = self.transport
-            try:
-                out = (
-                    transport.select_blocks(call, topk)
-                    if op == SELECT
-                    else transport.score_push(call)
-                )
-            except BaseException as e:
-                if self._lockstep and not isinstance(e, _PEER_ERRORS):
-                    # The header passed, so peers may wait in this call's collectives.
-                    self.left_mid_call = (
-                        f"rank {self.rank} left call {self.calls} after its header round "
-                        f"({type(e).__name__}: {e})"
-                    )
-                if isinstance(e, lockstep.DIST_ERRORS):  # never a raw backend error
-                    raise lockstep.lost_connection(
-                        self.comm, f"call {self.calls} ({op})", f"{type(e).__name__}: {e}",
-                        self.calls,
-                    ) from e  # fmt: skip
-                raise
-            if self._sync:
-                torch.cuda.current_stream(self.device).synchronize()
-                transport.check()
-            return out
-        except BaseException as e:
-            if self.broken is None and not usable:
-                self.broken = e
-            raise
 
     def refuse(self, what: str, error: BaseException) -> None:
         """Tell the peers that this rank refused its call (host-lockstep transports), so they

@@ -57,16 +57,8 @@ class IndexCP:
     ``CPIndexConfig.from_env(num_heads=W, max_rows=max_rows, max_width=max_width)``. Raises
     ``ValueError`` for a wrong ``rank`` (before anything is exchanged) or configuration."""
 
-    def __init__(
-        self,
-        rank: int,
-        group: dist.ProcessGroup | None,
-        device: Any,
-        max_rows: int,
-        max_width: int,
-        *,
-        comm: Any = None,
-    ) -> None:
+    def __init__(self, rank: int, group: dist.ProcessGroup | None, device: Any, max_rows: int,
+                 max_width: int, *, comm: Any = None) -> None:  # fmt: skip
         if isinstance(rank, bool) or not hasattr(rank, "__index__"):
             raise TypeError(f"rank: expected an int, got {type(rank).__name__}")
         if comm is not None and group is not None:
@@ -92,19 +84,9 @@ class IndexCP:
             raise AttributeError(name)
         return getattr(self.cp, name)
 
-    def score_push(
-        self,
-        iq: torch.Tensor,
-        index_cache: formats.Cache,
-        block_table: torch.Tensor,
-        seq_lens: torch.Tensor,
-        init_blocks: int,
-        local_blocks: int,
-        width: int,
-        grid: int = 0,
-        *,
-        tag: int | None = None,
-    ) -> torch.Tensor:
+    def score_push(self, iq: torch.Tensor, index_cache: formats.Cache, block_table: torch.Tensor,
+                   seq_lens: torch.Tensor, init_blocks: int, local_blocks: int, width: int,
+                   grid: int = 0, *, tag: int | None = None) -> torch.Tensor:  # fmt: skip
         """This rank's head's scores, float32 ``[1, rows, width]``: a view valid until the next
         call. ``grid`` is accepted and ignored (the kernel sizes its grid; a positive value
         warns once). Bad ``grid``, or rows not ``requests * T`` with ``T <= max_query_len``:
@@ -113,20 +95,10 @@ class IndexCP:
         plan = self._plan_for(iq, block_table, seq_lens, init_blocks, local_blocks, width, grid)
         return self.cp.score_push(iq, index_cache, plan, tag=self._tag(index_cache, tag))
 
-    def select_blocks(
-        self,
-        iq: torch.Tensor,
-        index_cache: formats.Cache,
-        block_table: torch.Tensor,
-        seq_lens: torch.Tensor,
-        init_blocks: int,
-        local_blocks: int,
-        width: int,
-        grid: int = 0,
-        *,
-        topk: int = 16,
-        tag: int | None = None,
-    ) -> torch.Tensor:
+    def select_blocks(self, iq: torch.Tensor, index_cache: formats.Cache,
+                      block_table: torch.Tensor, seq_lens: torch.Tensor, init_blocks: int,
+                      local_blocks: int, width: int, grid: int = 0, *, topk: int = 16,
+                      tag: int | None = None) -> torch.Tensor:  # fmt: skip
         """This rank's head's ``topk`` block-table columns per row, int32 ``[1, rows, topk]``
         (ascending, ``-1``-padded; :meth:`cpindex.IndexCP.select_blocks`)."""
         plan = self._plan_for(iq, block_table, seq_lens, init_blocks, local_blocks, width, grid)
@@ -172,14 +144,8 @@ class IndexCP:
             or p.seq_lens is not seq_lens
             or p.checked != p.record()  # resized in place since
         ):
-            p = self.cp.plan(
-                block_table,
-                seq_lens,
-                query_len=t,
-                init_blocks=init,
-                local_blocks=local,
-                width=width,
-            )
+            p = self.cp.plan(block_table, seq_lens, query_len=t, init_blocks=init,
+                             local_blocks=local, width=width)  # fmt: skip
             self._plan, self._key = p, key
         return p
 
