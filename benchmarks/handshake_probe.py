@@ -55,7 +55,9 @@ def main() -> None:
                             timeout_s=2.0)  # fmt: skip
         with IndexCP(cfg, device=DEV, comm=comm) as cp:
             qs = [p.rank_queries(comm.rank, world) for p in probs]
-            args = [(p.index_cache, p.block_table, p.seq_lens, 0, 1, p.width) for p in probs]
+            args = [
+                (p.index_cache, cp.plan(p.block_table, p.seq_lens, width=p.width)) for p in probs
+            ]
             keep = [torch.empty(q.shape[1], p.rows, p.width, device=DEV) for p, q in
                     zip(probs, qs, strict=True)]  # fmt: skip
             diff = [torch.empty_like(k, dtype=torch.bool) for k in keep]

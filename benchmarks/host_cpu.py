@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import os
 import pstats
 import statistics
 import time
@@ -55,6 +56,7 @@ import torch
 
 import cpindex
 from cpindex import CPIndexConfig, IndexCP, ops, testing, validation
+from cpindex import vllm as dropin
 from cpindex.kernels import launcher
 from cpindex.runner import Runner
 from cpindex.transports import peer
@@ -201,18 +203,39 @@ def configs(width: int, **kw: object) -> CPIndexConfig:
 
 
 def call_entries(name: str, cp: IndexCP, prob: testing.Problem) -> dict[str, Callable[[], object]]:
-    """``cp``'s four entry points on ``prob``: each call form, with a plan and positional."""
+    """``cp``'s two calls on ``prob``, with a plan made once (as a decode step's layers share
+    one)."""
     q, cache, bt, sl, width = prob.q, prob.index_cache, prob.block_table, prob.seq_lens, prob.width
     plan = cp.plan(bt, sl, query_len=QUERY_LEN, width=width)
     return {
         f"{name}.score_push(plan)": lambda: cp.score_push(q, cache, plan, tag=3),
         f"{name}.select_blocks(plan)": lambda: cp.select_blocks(q, cache, plan, topk=TOPK, tag=3),
-        f"{name}.score_push": lambda: cp.score_push(
-            q, cache, bt, sl, 0, 1, width, query_len=QUERY_LEN, tag=3
-        ),
-        f"{name}.select_blocks": lambda: cp.select_blocks(
-            q, cache, bt, sl, 0, 1, width, query_len=QUERY_LEN, topk=TOPK, tag=3
-        ),
+    }
+
+
+def dropin_entries(comm, width: int) -> dict[str, Callable[[], object]]:
+    """The seed's positional calls through ``cpindex.vllm`` (one head: heads = ranks), on
+    ``ipc``: its plan reused across calls, its tag derived from the cache."""
+    env = {"CPINDEX_CACHE_FORMAT": FMT, "CPINDEX_MAX_QUERY_LEN": str(QUERY_LEN),
+           "CPINDEX_CP_MIN_BLOCKS": "0"}  # fmt: skip
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        cp = dropin.IndexCP(0, None, "cpu", REQUESTS * QUERY_LEN, width, comm=comm)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
+    as_ipc(cp.cp)
+    prob = testing.make_problem(
+        REQUESTS, CONTEXT, FMT, query_len=QUERY_LEN, num_heads=1, seed=0, width=width
+    )
+    args = (prob.q, prob.index_cache, prob.block_table, prob.seq_lens, 0, 1, width)
+    return {
+        "vllm.score_push": lambda: cp.score_push(*args),
+        "vllm.select_blocks": lambda: cp.select_blocks(*args, topk=TOPK),
     }
 
 
@@ -225,6 +248,7 @@ def entries(comm) -> dict[str, Callable[[], object]]:
     as_ipc(ipc)
     as_collective(coll)
     out = call_entries("ipc", ipc, prob) | call_entries("collective", coll, prob)
+    out |= dropin_entries(comm, width)
     op = torch.ops.cpindex.block_scores
     out["torch.ops.cpindex.block_scores"] = lambda: op(
         q, cache, None, bt, sl, 0, 1, width, 128**-0.5, QUERY_LEN

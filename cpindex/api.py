@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, overload
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -211,7 +211,7 @@ class IndexCP:
     def world_size(self) -> int:
         return self.comm.world_size
 
-    # ---- the step's plan --------------------------------------------------------------------
+    # ---- the step's plan and the calls ------------------------------------------------------
     def plan(
         self,
         block_table: torch.Tensor,
@@ -224,111 +224,77 @@ class IndexCP:
     ) -> Plan:
         """Validate a decode step's shared inputs once, for every layer's call of the step.
 
-        Args: as in :meth:`score_push`. Local (no communication) and cheap: host checks only
-        on a GPU, plus the agreement fingerprint (one launch on a GPU, no sync), computed now
-        and again by every call that takes the plan.
-
-        Returns:
-            a :class:`~cpindex.plan.Plan` to pass to :meth:`score_push` and
-            :meth:`select_blocks` in place of ``block_table`` and what follows it. It holds
-            the tensors themselves (not copies), so calls read their current contents; it is
-            reusable across layers, steps and graph replays (see the class).
-
-        Raises:
-            TypeError, ValueError: bad input, naming the argument. With peers, this counts as
-                this rank refusing its next call: the peers' next call raises at once, and
-                this instance refuses calls until :meth:`reset`.
-        """
-        return self._runner.plan(block_table, seq_lens, init_blocks, local_blocks, width, query_len)
-
-    # ---- the calls --------------------------------------------------------------------------
-    @overload
-    def score_push(
-        self, iq: torch.Tensor, index_cache: formats.Cache, plan: Plan, *, tag: int | None = None
-    ) -> torch.Tensor: ...
-
-    @overload
-    def score_push(
-        self,
-        iq: torch.Tensor,
-        index_cache: formats.Cache,
-        block_table: torch.Tensor,
-        seq_lens: torch.Tensor,
-        init_blocks: int = 0,
-        local_blocks: int = 1,
-        width: int | None = None,
-        *,
-        query_len: int = 1,
-        tag: int | None = None,
-    ) -> torch.Tensor: ...
-
-    def score_push(
-        self,
-        iq: torch.Tensor,
-        index_cache: formats.Cache,
-        block_table: torch.Tensor | Plan,
-        seq_lens: torch.Tensor | None = None,
-        init_blocks: int = 0,
-        local_blocks: int = 1,
-        width: int | None = None,
-        *,
-        query_len: int = 1,
-        tag: int | None = None,
-    ) -> torch.Tensor:
-        """This rank's heads' block scores over every block of every row.
-
-        ``score_push(iq, index_cache, plan, tag=...)`` with a :meth:`plan`, or
-        ``score_push(iq, index_cache, block_table, seq_lens, ...)`` for a one-off call (it
-        makes the plan itself).
-
         Args:
-            iq: ``[rows, heads_per_rank, 128]`` (or ``[rows, 128]``) query rows of this rank's
-                heads, ``rows = requests * query_len``, request-major (token t of request r is
-                row ``r * query_len + t``); ``float8_e4m3fn`` for fp8/nvfp4 caches,
-                ``bfloat16`` for bf16.
-            index_cache: the paged index-key cache in ``config.cache_format``: bf16 or fp8
-                ``[pages, 128, 128]``, nvfp4 ``uint8 [pages, 9216]`` or the public pair
-                ``(packed uint8 [pages, 128, 64], scales e4m3 [pages, 128, 8])``.
-            block_table: int32 ``[requests, max_blocks]``, rows contiguous; or a plan.
+            block_table: int32 ``[requests, max_blocks]``, rows contiguous: request r's
+                logical block j lives in page ``block_table[r, j]``.
             seq_lens: int32 ``[requests]``, causal lengths through each request's last query
                 token (so ``>= query_len``); token t sees ``seq_lens[r] - query_len + 1 + t``.
+            query_len: query tokens per request (speculative/MTP decode), at most
+                ``config.max_query_len``; ``requests * query_len <= config.max_rows``.
             init_blocks, local_blocks: forced-selection counts (MiniMax-M3: 0 and 1).
             width: score columns, ``ceil(max(seq_lens)/128) <= width <= max_width``; default
                 ``block_table.shape[1]`` (capture-stable).
-            query_len: query tokens per request (speculative/MTP decode), at most
-                ``config.max_query_len``. The kernel reads each request's pages once for all
-                its rows.
+
+        Returns:
+            a :class:`~cpindex.plan.Plan` for :meth:`score_push` and :meth:`select_blocks`.
+            It holds the tensors themselves (not copies), so calls read their current
+            contents: refill them in place between steps and the plan stays valid, in graph
+            replays too. Their shapes must not change (a call refuses a plan whose tensors
+            were resized, or whose fields were replaced, naming what changed). Local (no
+            communication) and host-only: no launch, nothing allocated, capture-safe.
+
+        Raises:
+            TypeError, ValueError: bad input, naming the argument. With peers, above the CP
+                gate, this counts as this rank refusing its next call: the peers' next call
+                raises at once, and this instance refuses calls until :meth:`reset`.
+        """
+        return self._runner.plan(block_table, seq_lens, query_len, init_blocks, local_blocks, width)
+
+    def score_push(
+        self, iq: torch.Tensor, index_cache: formats.Cache, plan: Plan, *, tag: int | None = None
+    ) -> torch.Tensor:
+        """This rank's heads' block scores over every block of every row.
+
+        Args:
+            iq: ``[rows, heads_per_rank, 128]`` (or ``[rows, 128]``) query rows of this rank's
+                heads, contiguous, ``rows = plan.rows = requests * query_len``, request-major
+                (token t of request r is row ``r * query_len + t``); ``float8_e4m3fn`` for
+                fp8/nvfp4 caches, ``bfloat16`` for bf16.
+            index_cache: the paged index-key cache in ``config.cache_format``: bf16 or fp8
+                ``[pages, 128, 128]``, nvfp4 ``uint8 [pages, 9216]`` (or vLLM's
+                ``[pages, 128, 72]``) or the public pair ``(packed uint8 [pages, 128, 64],
+                scales e4m3 [pages, 128, 8])``.
+            plan: the step's :meth:`plan`, made by this instance (or one of the same
+                configuration) and unchanged since.
             tag: an int in ``[0, 2**63)`` naming the call, the same on every rank (e.g.
                 ``step * layers + layer``), or None. Ranks whose tags differ raise
                 :class:`~cpindex.OutOfStepError` naming both: a skipped or reordered call is
-                caught even where consecutive calls have equal shapes.
+                caught even where consecutive calls have equal shapes. A host int: a captured
+                call replays with the tag it was captured with.
 
         Returns:
             float32 ``[heads_per_rank, rows, width]``: a view of the instance's receive
             buffer, overwritten by the next call. Keep it with ``.clone()``::
 
-                a = cp.score_push(...)          # call 1's scores
-                b = cp.score_push(...)          # a shows call 2's scores now (a is b's memory;
-                                                # with another rows/width, a is scrambled)
-                a = cp.score_push(...).clone()  # a copy: stays call 3's scores
+                a = cp.score_push(iq, cache, plan)          # call 1's scores
+                b = cp.score_push(iq, cache, plan)          # a shows call 2's scores now
+                a = cp.score_push(iq, cache, plan).clone()  # a copy: stays call 3's scores
 
             Work that reads the view must run on the instance's stream (or be ordered before
             the next call).
 
         Raises:
-            TypeError, ValueError: bad input, naming the argument. With peers, the call still
-                counts and the instance refuses calls until :meth:`reset` (the peers raise too).
+            TypeError, ValueError: bad input (a changed plan included), naming the argument,
+                before anything is launched. Below the CP gate, or with one rank, the call is
+                not made and the instance stays usable; otherwise the call still counts, the
+                peers raise at once, and the instance refuses calls until :meth:`reset`.
             OutOfStepError, PeerTimeoutError, PeerConnectionError: the ranks are not making
                 the same call (another tag, shape, block table or lengths), a peer did not
                 come within ``timeout_s``, or a peer is gone.
             BrokenInstanceError: an earlier call failed on this rank; :meth:`reset` first.
         """
-        return self._runner.call(
-            SCORE, iq, index_cache, block_table, seq_lens, init_blocks, local_blocks, width,
-            query_len, tag,
-        )  # fmt: skip
+        return self._runner.call(SCORE, iq, index_cache, plan, tag)
 
-    @overload
     def select_blocks(
         self,
         iq: torch.Tensor,
@@ -336,74 +302,12 @@ class IndexCP:
         plan: Plan,
         *,
         topk: int = 16,
-        return_scores: Literal[False] = False,
         tag: int | None = None,
-    ) -> torch.Tensor: ...
-
-    @overload
-    def select_blocks(
-        self,
-        iq: torch.Tensor,
-        index_cache: formats.Cache,
-        plan: Plan,
-        *,
-        topk: int = 16,
-        return_scores: Literal[True],
-        tag: int | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    @overload
-    def select_blocks(
-        self,
-        iq: torch.Tensor,
-        index_cache: formats.Cache,
-        block_table: torch.Tensor,
-        seq_lens: torch.Tensor,
-        init_blocks: int = 0,
-        local_blocks: int = 1,
-        width: int | None = None,
-        *,
-        query_len: int = 1,
-        topk: int = 16,
-        return_scores: Literal[False] = False,
-        tag: int | None = None,
-    ) -> torch.Tensor: ...
-
-    @overload
-    def select_blocks(
-        self,
-        iq: torch.Tensor,
-        index_cache: formats.Cache,
-        block_table: torch.Tensor,
-        seq_lens: torch.Tensor,
-        init_blocks: int = 0,
-        local_blocks: int = 1,
-        width: int | None = None,
-        *,
-        query_len: int = 1,
-        topk: int = 16,
-        return_scores: Literal[True],
-        tag: int | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def select_blocks(
-        self,
-        iq: torch.Tensor,
-        index_cache: formats.Cache,
-        block_table: torch.Tensor | Plan,
-        seq_lens: torch.Tensor | None = None,
-        init_blocks: int = 0,
-        local_blocks: int = 1,
-        width: int | None = None,
-        *,
-        query_len: int = 1,
-        topk: int = 16,
         return_scores: bool = False,
-        tag: int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """This rank's heads' ``topk`` best blocks per row: what sparse attention reads
-        (docs/contract.md §6). Same inputs as :meth:`score_push` (a plan, or the positional
-        form).
+        (docs/contract.md §6). ``iq``, ``index_cache``, ``plan``, ``tag``, errors: as in
+        :meth:`score_push`.
 
         Per (head, row): the ``topk`` columns with the highest scores, forced blocks included,
         ``-inf`` columns never, equal scores to the lower block id. Ranks exchange only their
@@ -412,21 +316,17 @@ class IndexCP:
         launch (up to ``topk`` 16; a larger ``topk`` pushes the scores and selects from them).
 
         Args:
-            iq, index_cache, block_table, seq_lens, init_blocks, local_blocks, width,
-                query_len, tag: as in :meth:`score_push`.
             topk: blocks per (head, row), at most ``config.max_topk`` (MiniMax-M3: 16).
             return_scores: also return each selected block's score.
 
         Returns:
-            int32 ``[heads_per_rank, rows, topk]``: block ids in ascending order, then ``-1``
-            for each slot a row with fewer than ``topk`` blocks in its context leaves. With
-            ``return_scores``, also float32 ``[heads_per_rank, rows, topk]``, aligned with the
-            ids (``-inf`` where padded). Views valid until the next call.
+            int32 ``[heads_per_rank, rows, topk]``: block-table *columns* (logical block ids,
+            not page ids) in ascending order, then ``-1`` for each slot a row with fewer than
+            ``topk`` blocks in its context leaves. With ``return_scores``, also float32
+            ``[heads_per_rank, rows, topk]``, aligned with the ids (``-inf`` where padded).
+            Views valid until the next call.
         """
-        ids, scores = self._runner.call(
-            SELECT, iq, index_cache, block_table, seq_lens, init_blocks, local_blocks, width,
-            query_len, tag, topk, return_scores,
-        )  # fmt: skip
+        ids, scores = self._runner.call(SELECT, iq, index_cache, plan, tag, topk, return_scores)
         return (ids, scores) if return_scores else ids
 
     def exchange_bytes(self, rows: int, width: int, topk: int | None = None) -> int:
@@ -498,7 +398,25 @@ class IndexCP:
         )
 
 
-_instance: IndexCP | None = None
+_instance: Any = None
+_instance_args: tuple[Any, ...] | None = None
+
+
+def shared(make: Any, args: tuple[Any, ...], where: str = "cpindex.init") -> Any:
+    """This process's shared instance: ``make(*args)`` on the first call (collective), the
+    same instance on a later call with equal arguments (no communication); other arguments
+    raise :class:`CPIndexError` (:func:`shutdown` first). :func:`init` and the drop-in's
+    ``cpindex.vllm.init`` are this, with their own constructors."""
+    global _instance, _instance_args
+    if _instance is not None:
+        if (make, args) != _instance_args:
+            raise CPIndexError(
+                f"{where} called again with other arguments than the instance it made "
+                f"({_instance!r}); call cpindex.shutdown() first"
+            )
+        return _instance
+    _instance, _instance_args = make(*args), (make, args)
+    return _instance
 
 
 def init(
@@ -506,25 +424,22 @@ def init(
     group: dist.ProcessGroup | None = None,
     device: torch.device | str | None = None,
 ) -> IndexCP:
-    """Create this process's shared instance (collective). Serving stacks call it once after
-    their process groups exist; :func:`get` returns it afterwards."""
-    global _instance
-    if _instance is not None:
-        raise CPIndexError("cpindex.init called twice; use cpindex.get() or shutdown() first")
-    _instance = IndexCP(config, group, device)
-    return _instance
+    """Create this process's shared instance (collective, once, outside capture) and return
+    it; :func:`get` returns it anywhere. A later call with equal arguments returns that
+    instance without communicating; other arguments raise :class:`CPIndexError`."""
+    return shared(IndexCP, (config, group, device))
 
 
-def get() -> IndexCP:
-    """The instance created by :func:`init`."""
+def get() -> Any:
+    """The instance :func:`init` (or ``cpindex.vllm.init``) created."""
     if _instance is None:
         raise CPIndexError("cpindex.get() before cpindex.init()")
     return _instance
 
 
 def shutdown() -> None:
-    """Close and forget the shared instance (collective)."""
-    global _instance
+    """Close and forget the shared instance (collective); a no-op without one."""
+    global _instance, _instance_args
     if _instance is not None:
-        _instance.close()
-        _instance = None
+        inst, _instance, _instance_args = _instance, None, None
+        inst.close()

@@ -89,19 +89,16 @@ def _rank_job(comm: Comm, args: DemoArgs, device: torch.device) -> dict:
     prob = testing.make_problem(args.rows, args.context, args.fmt, seed=args.seed, device=device)
     with IndexCP(cfg, device=device, comm=comm) as cp:
         iq = prob.rank_queries(comm.rank, comm.world_size)
+        plan = cp.plan(prob.block_table, prob.seq_lens, width=prob.width)
         times = []
         for _ in range(args.repeats):
             t0 = time.perf_counter()
-            out = cp.score_push(
-                iq, prob.index_cache, prob.block_table, prob.seq_lens, 0, 1, prob.width
-            )
+            out = cp.score_push(iq, prob.index_cache, plan)
             if device.type == "cuda":
                 torch.cuda.current_stream().synchronize()
             times.append(time.perf_counter() - t0)
         out = out.clone()
-        picked = cp.select_blocks(
-            iq, prob.index_cache, prob.block_table, prob.seq_lens, 0, 1, prob.width
-        ).clone()
+        picked = cp.select_blocks(iq, prob.index_cache, plan).clone()
         heads = partition.heads_of_rank(comm.rank, cfg.num_heads, comm.world_size)
         kw = dict(init_blocks=0, local_blocks=1, width=prob.width, sm_scale=cfg.sm_scale)
         inputs = (prob.q, prob.index_cache, prob.block_table, prob.seq_lens)

@@ -77,10 +77,9 @@ import torch
 from . import formats, lockstep
 from .comm import Comm
 from .config import MAX_FUSED_TOPK, CPIndexConfig
-from .plan import Plan
+from .plan import Call, Plan
 from .transports.base import Transport
 from .transports.local import LocalPath
-from .validation import Call
 
 log = logging.getLogger("cpindex")
 

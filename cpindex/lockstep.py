@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from .comm import CollectiveFailed, CollectiveTimeout, Comm
 from .errors import OutOfStepError, PeerConnectionError, PeerTimeoutError
-from .validation import Call
+from .plan import Call
 
 #: Header fields, in the order a mismatch is reported (the first that differs explains best).
 #: ``queries`` is compared only between ranks that own the same head (:func:`agree_call`).

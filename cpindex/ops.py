@@ -2,16 +2,17 @@
 
 * ``cpindex::block_scores``: the fused kernel alone on one device (all heads, all blocks; the
   reference on CPU). Also the no-CP baseline and the "kernel alone" column of the benchmark.
-* ``cpindex::score_push``: an :class:`~cpindex.IndexCP` call by handle. Custom ops must return
+* ``cpindex::score_push``: ``IndexCP.score_push(iq, index_cache, plan, tag=tag)`` with the
+  instance and the plan by handle (:func:`handle`, :func:`plan_handle`). Custom ops must return
   fresh tensors, so this returns a copy of the view ``IndexCP.score_push`` returns (one
   ``rows x width`` float copy); eager code should call ``IndexCP.score_push`` directly.
-* ``cpindex::select_blocks``: :meth:`~cpindex.IndexCP.select_blocks` by handle; returns copies
+* ``cpindex::select_blocks``: :meth:`~cpindex.IndexCP.select_blocks` likewise; returns copies
   of the ids and the scores (``rows x topk`` each).
 
-Both take the call's ``tag`` and, optionally, a plan by handle (:func:`plan_handle`): the op
-then runs the plan form, provided the tensors and counts it is given are the plan's own (they
-always are through the eager wrappers, which take a :class:`~cpindex.plan.Plan` in place of
-``block_table``); otherwise it runs the positional form, validating them.
+Both also take the plan's ``block_table``, ``seq_lens`` and ``width``: the tensors so that a
+compiled graph orders the op after writes into them, the width for the fake implementation's
+output shape. They must be the plan's own (the eager wrappers pass them); anything else is
+refused with a ``ValueError``.
 
 All have fake (meta) implementations that only compute output shapes.
 """
@@ -80,16 +81,15 @@ _lib.define(
     "-> Tensor",
     tags=_TAGS,
 )
+_PLAN_ARGS = "SymInt plan, Tensor block_table, Tensor seq_lens, SymInt width"
 _lib.define(
-    "score_push(SymInt handle, Tensor iq, Tensor cache, Tensor? scales, Tensor block_table, "
-    "Tensor seq_lens, SymInt init_blocks, SymInt local_blocks, SymInt width, "
-    "SymInt query_len=1, SymInt? tag=None, SymInt plan=0) -> Tensor",
+    f"score_push(SymInt handle, Tensor iq, Tensor cache, Tensor? scales, {_PLAN_ARGS}, "
+    "SymInt? tag=None) -> Tensor",
     tags=_TAGS,
 )
 _lib.define(
-    "select_blocks(SymInt handle, Tensor iq, Tensor cache, Tensor? scales, Tensor block_table, "
-    "Tensor seq_lens, SymInt init_blocks, SymInt local_blocks, SymInt width, "
-    "SymInt query_len=1, SymInt topk=16, SymInt? tag=None, SymInt plan=0) -> (Tensor, Tensor)",
+    f"select_blocks(SymInt handle, Tensor iq, Tensor cache, Tensor? scales, {_PLAN_ARGS}, "
+    "SymInt topk=16, SymInt? tag=None) -> (Tensor, Tensor)",
     tags=_TAGS,
 )
 
@@ -134,9 +134,11 @@ def _block_scores(
         fmt = _FORMATS.put((cache.dtype, cache.shape), formats.detect_format(index_cache))
     device = q.device
     checker = _op_checker(heads, fmt, max(1, rows), max(1, width), device)
-    call = checker.call(
-        q, index_cache, block_table, seq_lens, init_blocks, local_blocks, width, query_len
-    )
+    plan = checker.plan(
+        block_table, seq_lens, query_len=query_len, init_blocks=init_blocks,
+        local_blocks=local_blocks, width=width,
+    )  # fmt: skip
+    call = checker.planned(q, index_cache, plan)
     if device.type != "cuda":
         return reference.block_scores(
             q, index_cache, block_table, seq_lens, init_blocks=init_blocks,
@@ -229,148 +231,66 @@ def _direct(
     )
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
-
-
-def _plan_of(
-    handle: int,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    init_blocks: int,
-    local_blocks: int,
-    width: int,
-    query_len: int,
-) -> Plan | None:
-    """The plan named by ``handle`` if these are its inputs, else None (the positional form
-    then validates them)."""
-    p = _plans.get(handle) if handle else None
+def _plan_of(handle: int, block_table: torch.Tensor, seq_lens: torch.Tensor, width: int) -> Plan:
+    """The plan named by ``handle``, checked to be the one these arguments describe."""
+    p = _plans.get(handle)
     if p is None:
-        return None
-    same = (p.init_blocks, p.local_blocks, p.width, p.query_len) == (
-        init_blocks, local_blocks, width, query_len,
-    )  # fmt: skip
-    if same and _same(p.block_table, block_table) and _same(p.seq_lens, seq_lens):
-        return p
-    return None
+        raise ValueError(f"plan: no live plan has handle {handle} (ops.plan_handle(plan))")
+    bt, sl = p.block_table, p.seq_lens
+    if not (
+        p.width == width
+        and bt.data_ptr() == block_table.data_ptr()
+        and bt.shape == block_table.shape
+        and sl.data_ptr() == seq_lens.data_ptr()
+        and sl.shape == seq_lens.shape
+    ):
+        raise ValueError(
+            "plan: block_table, seq_lens and width must be the plan's own "
+            "(plan.block_table, plan.seq_lens, plan.width)"
+        )
+    return p
 
 
-def _unpack(
-    block_table: torch.Tensor | Plan,
-    seq_lens: torch.Tensor | None,
-    init_blocks: int,
-    local_blocks: int,
-    width: int | None,
-    query_len: int,
-) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int, int]:
-    """The op's arguments for a plan or the positional form, and the plan's handle (0: none)."""
-    if isinstance(block_table, Plan):
-        p = block_table
-        if seq_lens is not None:
-            raise TypeError("plan: pass either a plan or block_table and seq_lens, not both")
-        return (
-            p.block_table, p.seq_lens, p.init_blocks, p.local_blocks, p.width, p.query_len,
-            plan_handle(p),
-        )  # fmt: skip
-    width = block_table.shape[1] if width is None else width
-    return block_table, seq_lens, init_blocks, local_blocks, width, query_len, 0  # type: ignore[return-value]
-
-
-def _score_push_fake(handle, iq, cache, scales, bt, sl, init, local, width, t=1, tag=None, plan=0):
+def _score_push_fake(handle, iq, cache, scales, plan, block_table, seq_lens, width, tag=None):
     # heads_per_rank from iq's shape, not the handle: dynamo may turn the handle into a SymInt
     hpr = iq.shape[1] if iq.dim() == 3 else 1
     return iq.new_empty((hpr, iq.shape[0], width), dtype=torch.float32)
 
 
 @_register("score_push", _score_push_fake)
-def _score_push(
-    handle: int,
-    iq: torch.Tensor,
-    cache: torch.Tensor,
-    scales: torch.Tensor | None,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    init_blocks: int,
-    local_blocks: int,
-    width: int,
-    query_len: int = 1,
-    tag: int | None = None,
-    plan: int = 0,
-) -> torch.Tensor:
-    cp = _instances[handle]
-    p = _plan_of(plan, block_table, seq_lens, init_blocks, local_blocks, width, query_len)
-    if p is not None:
-        out = cp.score_push(iq, _join(cache, scales), p, tag=tag)
-    else:
-        out = cp.score_push(
-            iq, _join(cache, scales), block_table, seq_lens, init_blocks, local_blocks, width,
-            query_len=query_len, tag=tag,
-        )  # fmt: skip
-    return out.clone()
+def _score_push(handle, iq, cache, scales, plan, block_table, seq_lens, width, tag=None):
+    p = _plan_of(plan, block_table, seq_lens, width)
+    return _instances[handle].score_push(iq, _join(cache, scales), p, tag=tag).clone()
 
 
 def score_push(
-    cp: IndexCP,
-    iq: torch.Tensor,
-    index_cache: formats.Cache,
-    block_table: torch.Tensor | Plan,
-    seq_lens: torch.Tensor | None = None,
-    init_blocks: int = 0,
-    local_blocks: int = 1,
-    width: int | None = None,
-    *,
-    query_len: int = 1,
-    tag: int | None = None,
+    cp: IndexCP, iq: torch.Tensor, index_cache: formats.Cache, plan: Plan, *, tag: int | None = None
 ) -> torch.Tensor:
-    """``cp.score_push(...)`` as a custom op (returns a copy): with a plan
-    (``score_push(cp, iq, index_cache, plan, tag=...)``) or the positional form. Inside
-    ``torch.compile`` call ``torch.ops.cpindex.score_push(handle(cp), iq, cache, scales,
-    block_table, seq_lens, init_blocks, local_blocks, width, query_len, tag, plan_handle(plan))``
-    with the handles taken outside."""
+    """``cp.score_push(iq, index_cache, plan, tag=tag)`` as a custom op (returns a copy).
+    Inside ``torch.compile`` call ``torch.ops.cpindex.score_push(handle(cp), iq, cache,
+    scales, plan_handle(plan), plan.block_table, plan.seq_lens, plan.width, tag)`` with the
+    handles taken outside."""
     cache, scales = _split(index_cache)
-    bt, sl, init, local, w, t, ph = _unpack(
-        block_table, seq_lens, init_blocks, local_blocks, width, query_len
-    )
     return torch.ops.cpindex.score_push(
-        handle(cp), iq, cache, scales, bt, sl, init, local, w, t, tag, ph
-    )
+        handle(cp), iq, cache, scales, plan_handle(plan), plan.block_table, plan.seq_lens,
+        plan.width, tag,
+    )  # fmt: skip
 
 
-def _select_blocks_fake(
-    handle, iq, cache, scales, bt, sl, init, local, width, t=1, topk=16, tag=None, plan=0
-):
+def _select_blocks_fake(handle, iq, cache, scales, plan, block_table, seq_lens, width, topk=16,
+                        tag=None):  # fmt: skip
     hpr = iq.shape[1] if iq.dim() == 3 else 1  # from iq, not the handle (see score_push's)
     shape = (hpr, iq.shape[0], topk)
     return iq.new_empty(shape, dtype=torch.int32), iq.new_empty(shape, dtype=torch.float32)
 
 
 @_register("select_blocks", _select_blocks_fake)
-def _select_blocks(
-    handle: int,
-    iq: torch.Tensor,
-    cache: torch.Tensor,
-    scales: torch.Tensor | None,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    init_blocks: int,
-    local_blocks: int,
-    width: int,
-    query_len: int = 1,
-    topk: int = 16,
-    tag: int | None = None,
-    plan: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    cp = _instances[handle]
-    p = _plan_of(plan, block_table, seq_lens, init_blocks, local_blocks, width, query_len)
-    if p is not None:
-        ids, scores = cp.select_blocks(
-            iq, _join(cache, scales), p, topk=topk, return_scores=True, tag=tag
-        )
-    else:
-        ids, scores = cp.select_blocks(
-            iq, _join(cache, scales), block_table, seq_lens, init_blocks, local_blocks, width,
-            query_len=query_len, topk=topk, return_scores=True, tag=tag,
-        )  # fmt: skip
+def _select_blocks(handle, iq, cache, scales, plan, block_table, seq_lens, width, topk=16,
+                   tag=None):  # fmt: skip
+    p = _plan_of(plan, block_table, seq_lens, width)
+    ids, scores = _instances[handle].select_blocks(
+        iq, _join(cache, scales), p, topk=topk, tag=tag, return_scores=True
+    )
     return ids.clone(), scores.clone()
 
 
@@ -378,27 +298,21 @@ def select_blocks(
     cp: IndexCP,
     iq: torch.Tensor,
     index_cache: formats.Cache,
-    block_table: torch.Tensor | Plan,
-    seq_lens: torch.Tensor | None = None,
-    init_blocks: int = 0,
-    local_blocks: int = 1,
-    width: int | None = None,
+    plan: Plan,
     *,
-    query_len: int = 1,
     topk: int = 16,
     tag: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cp.select_blocks(..., return_scores=True)`` as a custom op: copies of the int32 ids and
-    float32 scores ``[heads_per_rank, rows, topk]``; with a plan or the positional form. Inside
-    ``torch.compile`` call ``torch.ops.cpindex.select_blocks(handle(cp), ..., query_len, topk,
-    tag, plan_handle(plan))`` with the handles taken outside."""
+    """``cp.select_blocks(iq, index_cache, plan, topk=topk, tag=tag, return_scores=True)`` as
+    a custom op: copies of the int32 ids and float32 scores ``[heads_per_rank, rows, topk]``.
+    Inside ``torch.compile`` call ``torch.ops.cpindex.select_blocks(handle(cp), iq, cache,
+    scales, plan_handle(plan), plan.block_table, plan.seq_lens, plan.width, topk, tag)`` with
+    the handles taken outside."""
     cache, scales = _split(index_cache)
-    bt, sl, init, local, w, t, ph = _unpack(
-        block_table, seq_lens, init_blocks, local_blocks, width, query_len
-    )
     return torch.ops.cpindex.select_blocks(
-        handle(cp), iq, cache, scales, bt, sl, init, local, w, t, topk, tag, ph
-    )
+        handle(cp), iq, cache, scales, plan_handle(plan), plan.block_table, plan.seq_lens,
+        plan.width, topk, tag,
+    )  # fmt: skip
 
 
 def handle(cp: IndexCP) -> int:

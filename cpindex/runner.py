@@ -32,7 +32,7 @@ from .gate import Gate, disagreement_note
 from .plan import Plan
 from .transports.base import Transport
 from .transports.local import LocalPath
-from .validation import Call, Checker, check_topk
+from .validation import Checker, check_topk
 
 #: The operations a call runs (``Runner.call``'s ``op``).
 SCORE, SELECT = "score_push", "select_blocks"
@@ -65,11 +65,9 @@ CONCURRENT = (
 
 
 def static_blocks(block_table: object, width: object) -> int | None:
-    """A call's blocks (``requests * width``) from its raw arguments, before validation, or
-    None where they do not tell (the call is then taken as context-parallel)."""
+    """A plan's blocks (``requests * width``) from :meth:`IndexCP.plan`'s raw arguments, before
+    validation, or None where they do not tell (the call is then taken as context-parallel)."""
     try:  # an exotic argument whose attributes raise is validation's to report, not this
-        if isinstance(block_table, Plan):
-            return block_table.blocks
         if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
             return None
         if width is None:
@@ -77,6 +75,17 @@ def static_blocks(block_table: object, width: object) -> int | None:
         if isinstance(width, bool) or not isinstance(width, int):
             return None
         return int(block_table.shape[0]) * width
+    except Exception:
+        return None
+
+
+def checked_blocks(plan: object) -> int | None:
+    """A call's blocks as its plan was checked (:attr:`Plan.checked`, so a plan resized or
+    forged since counts as it was made), or None where it does not tell."""
+    if not isinstance(plan, Plan) or plan.checked is None:
+        return None
+    try:
+        return int(plan.checked[1][0]) * int(plan.checked[9])  # requests * width
     except Exception:
         return None
 
@@ -100,7 +109,6 @@ class Runner:
         self.rank, self.world = comm.rank, comm.world_size
         self.heads_per_rank = config.heads_per_rank(self.world)
         self.digest = config.digest()
-        self.checker = Checker(config, self.heads_per_rank, device)
         self.busy = threading.Lock()
         self.others = _process_lock(comm)
         self.closed = False
@@ -113,13 +121,12 @@ class Runner:
         self.replica_head = (
             partition.heads_of_rank(self.rank, heads, self.world)[0] if self.world > heads else None
         )
-        #: Whether calls carry the plan's agreement fingerprint (config and transport allow).
-        self.fingerprinting = config.fingerprint and transport.compares_fingerprint
-        # Positional calls make a plan per call; its fingerprint lands here (one address, so
-        # captured positional calls replay alike).
-        self._scratch_fp = (
-            torch.zeros(1, dtype=torch.int64, device=device) if self.fingerprinting else None
-        )
+        # Calls carry the plan's agreement fingerprint where config and transport allow, in
+        # one slot per instance: allocated here, never during a graph capture, and shared by
+        # every plan (each call recomputes it before use, calls run one at a time).
+        fingerprinting = config.fingerprint and transport.compares_fingerprint
+        fp = torch.zeros(1, dtype=torch.int64, device=device) if fingerprinting else None
+        self.checker = Checker(config, self.heads_per_rank, device, fp)
         # Fixed for the instance's life, read on every call.
         self._cp_from = gate.threshold
         self._cp_from_select = gate.threshold_for(SELECT)
@@ -134,23 +141,28 @@ class Runner:
         return blocks is None or self.gate.uses_cp(blocks, op)
 
     # ---- validation -----------------------------------------------------------------------
-    def new_fingerprint(self) -> torch.Tensor | None:
-        """A fingerprint slot for a new plan, or None when calls compare none."""
-        if not self.fingerprinting:
-            return None
-        return torch.zeros(1, dtype=torch.int64, device=self.device)
-
-    def plan(self, *args: Any) -> Plan:
-        """:func:`check_plan` for :meth:`IndexCP.plan`. A refused plan with peers counts as
+    def plan(
+        self,
+        block_table: object,
+        seq_lens: object,
+        query_len: object,
+        init_blocks: object,
+        local_blocks: object,
+        width: object,
+    ) -> Plan:
+        """:meth:`Checker.plan` for :meth:`IndexCP.plan`. A refused plan with peers counts as
         this rank's refusal of its next call (they raise at once, this instance refuses calls
         until reset), so that peers never wait out ``timeout_s`` for a call that won't come.
         Below the CP gate no peer waits for that call: the refusal is this rank's alone."""
         if self.closed:
             raise CPIndexError("plan on a closed IndexCP")
         try:
-            return self.checker.plan(*args, fingerprint_out=self.new_fingerprint())
+            return self.checker.plan(
+                block_table, seq_lens, query_len=query_len, init_blocks=init_blocks,
+                local_blocks=local_blocks, width=width,
+            )  # fmt: skip
         except (TypeError, ValueError) as e:
-            peers_wait = self.uses_cp(static_blocks(args[0], args[4]))
+            peers_wait = self.uses_cp(static_blocks(block_table, width))
             if self.world > 1 and self.broken is None and peers_wait:
                 with self._locked("plan"):
                     self.calls += 1
@@ -187,19 +199,14 @@ class Runner:
         op: str,
         iq: object,
         index_cache: object,
-        block_table: object,
-        seq_lens: object,
-        init_blocks: object,
-        local_blocks: object,
-        width: object,
-        query_len: object,
+        plan: object,
         tag: object,
         topk: object = None,
         return_scores: object = False,
     ) -> Any:
         """One call of ``op`` (:data:`SCORE`, or :data:`SELECT`, which takes ``topk`` and
-        ``return_scores``), with a plan in ``block_table`` or the positional form. Any failure
-        once peers may be waiting marks the instance broken until :meth:`reset`.
+        ``return_scores``). Any failure once peers may be waiting marks the instance broken
+        until :meth:`reset`.
 
         Below the gate nothing is exchanged, so no peer waits on this rank: a call this rank
         refuses (bad input, or a device error an earlier call below the gate recorded) is not
@@ -210,136 +217,88 @@ class Runner:
         messages formatted unless raised, every check before anything is launched."""
         self._acquire(op)
         try:
-            return self._call(
-                op, iq, index_cache, block_table, seq_lens, init_blocks, local_blocks, width,
-                query_len, tag, topk, return_scores,
-            )  # fmt: skip
+            if self.broken is not None:
+                e = self.broken
+                raise BrokenInstanceError(
+                    f"rank {self.rank}: {op} refused: this IndexCP failed earlier "
+                    f"({type(e).__name__}: {e}). Ranks may be out of step; call reset() on "
+                    "every rank to go on."
+                ) from e
+            usable = False  # a failure no peer waits on: the instance stays usable
+            try:
+                self.calls += 1
+                pending = call = None
+                try:
+                    self.transport.check()  # a previous call's recorded failure, no sync
+                    pending = self.local.take_error()  # one a call below the gate recorded
+                    if pending is not None:
+                        raise pending
+                    call = self.checker.planned(iq, index_cache, plan, tag)
+                    if op == SELECT:
+                        topk = check_topk(self.config, topk, return_scores)
+                except Exception as e:
+                    # Exact after validation; before it, as the plan was checked.
+                    blocks = call.plan.blocks if call is not None else checked_blocks(plan)
+                    own = e is pending or isinstance(e, (TypeError, ValueError))
+                    if not self.uses_cp(blocks, op):  # below the gate no peer waits
+                        if own:
+                            self.calls -= 1
+                            usable = True
+                        raise
+                    usable = self.world == 1 and own
+                    if not usable:
+                        self.refuse(op, e)
+                    raise
+                if call.plan.blocks < (self._cp_from_select if op == SELECT else self._cp_from):
+                    local = self.local
+                    out = (
+                        local.select_blocks(call, topk) if op == SELECT else local.score_push(call)
+                    )
+                    if self._sync:
+                        torch.cuda.current_stream(self.device).synchronize()
+                        pending = local.take_error()
+                        if pending is not None:
+                            usable = True  # this rank's own input: the call counts, as the peers'
+                            raise pending
+                    return out
+                if self._lockstep:
+                    header = self._headers.text(
+                        op, self.calls, call, topk if op == SELECT else None
+                    )
+                    lockstep.agree_call(self.comm, header, self.calls, self.config.timeout_s)
+                transport = self.transport
+                try:
+                    out = (
+                        transport.select_blocks(call, topk)
+                        if op == SELECT
+                        else transport.score_push(call)
+                    )
+                except BaseException as e:
+                    if self._lockstep and not isinstance(e, _PEER_ERRORS):
+                        # The header passed, so peers may wait in this call's collectives.
+                        self.left_mid_call = (
+                            f"rank {self.rank} left call {self.calls} after its header round "
+                            f"({type(e).__name__}: {e})"
+                        )
+                    if isinstance(e, lockstep.DIST_ERRORS):  # never a raw backend error
+                        raise lockstep.lost_connection(
+                            self.comm, f"call {self.calls} ({op})", f"{type(e).__name__}: {e}",
+                            self.calls,
+                        ) from e  # fmt: skip
+                    raise
+                if self._sync:
+                    torch.cuda.current_stream(self.device).synchronize()
+                    transport.check()
+                return out
+            except BaseException as e:
+                if self.broken is None and not usable:
+                    self.broken = e
+                if isinstance(e, PeerTimeoutError) and (note := disagreement_note(self.gate)):
+                    add_note(e, note)  # a peer may have made this call below the gate
+                raise
         finally:
             self.others.release()
             self.busy.release()
-
-    def _call(
-        self,
-        op: str,
-        iq: object,
-        index_cache: object,
-        block_table: object,
-        seq_lens: object,
-        init_blocks: object,
-        local_blocks: object,
-        width: object,
-        query_len: object,
-        tag: object,
-        topk: object,
-        return_scores: object,
-    ) -> Any:
-        if self.broken is not None:
-            e = self.broken
-            raise BrokenInstanceError(
-                f"rank {self.rank}: {op} refused: this IndexCP failed earlier "
-                f"({type(e).__name__}: {e}). Ranks may be out of step; call reset() on "
-                "every rank to go on."
-            ) from e
-        usable = False  # a failure no peer waits on: the instance stays usable
-        try:
-            self.calls += 1
-            pending = call = None
-            try:
-                self.transport.check()  # a previous call's recorded failure, no sync
-                pending = self.local.take_error()  # one a call below the gate recorded
-                if pending is not None:
-                    raise pending
-                call = self._validate(
-                    iq, index_cache, block_table, seq_lens, init_blocks, local_blocks, width,
-                    query_len, tag,
-                )  # fmt: skip
-                if op == SELECT:
-                    topk = check_topk(self.config, topk, return_scores)
-            except Exception as e:
-                # Exact after validation; before it, from the raw arguments where they tell.
-                blocks = call.plan.blocks if call is not None else static_blocks(block_table, width)
-                own = e is pending or isinstance(e, (TypeError, ValueError))
-                if not self.uses_cp(blocks, op):  # below the gate no peer waits: no refusal round
-                    if own:
-                        self.calls -= 1
-                        usable = True
-                    raise
-                usable = self.world == 1 and own
-                if not usable:
-                    self.refuse(op, e)
-                raise
-            if call.plan.blocks < (self._cp_from_select if op == SELECT else self._cp_from):
-                local = self.local
-                out = local.select_blocks(call, topk) if op == SELECT else local.score_push(call)
-                if self._sync:
-                    torch.cuda.current_stream(self.device).synchronize()
-                    pending = local.take_error()
-                    if pending is not None:
-                        usable = True  # this rank's own input: the call counts, as the peers'
-                        raise pending
-                return out
-            if self._lockstep:
-                header = self._headers.text(op, self.calls, call, topk if op == SELECT else None)
-                lockstep.agree_call(self.comm, header, self.calls, self.config.timeout_s)
-            transport = self.transport
-            try:
-                out = (
-                    transport.select_blocks(call, topk)
-                    if op == SELECT
-                    else transport.score_push(call)
-                )
-            except BaseException as e:
-                if self._lockstep and not isinstance(e, _PEER_ERRORS):
-                    # The header passed, so peers may wait in this call's collectives.
-                    self.left_mid_call = (
-                        f"rank {self.rank} left call {self.calls} after its header round "
-                        f"({type(e).__name__}: {e})"
-                    )
-                if isinstance(e, lockstep.DIST_ERRORS):  # never a raw backend error
-                    raise lockstep.lost_connection(
-                        self.comm, f"call {self.calls} ({op})", f"{type(e).__name__}: {e}",
-                        self.calls,
-                    ) from e  # fmt: skip
-                raise
-            if self._sync:
-                torch.cuda.current_stream(self.device).synchronize()
-                transport.check()
-            return out
-        except BaseException as e:
-            if self.broken is None and not usable:
-                self.broken = e
-            if isinstance(e, PeerTimeoutError) and (note := disagreement_note(self.gate)):
-                add_note(e, note)  # a peer may have made this call below the gate
-            raise
-
-    def _validate(
-        self,
-        iq: object,
-        index_cache: object,
-        block_table: object,
-        seq_lens: object,
-        init_blocks: object,
-        local_blocks: object,
-        width: object,
-        query_len: object,
-        tag: object,
-    ) -> Call:
-        """The call checked, in the plan form or the positional one."""
-        if not isinstance(block_table, Plan):
-            return self.checker.call(
-                iq, index_cache, block_table, seq_lens, init_blocks, local_blocks, width,
-                query_len, tag, fingerprint_out=self._scratch_fp,
-            )  # fmt: skip
-        if (seq_lens, init_blocks, local_blocks, width, query_len) != (None, 0, 1, None, 1):
-            raise TypeError(
-                "plan: pass either a plan or block_table and seq_lens (with their counts), "
-                "not both: the plan holds them"
-            )
-        plan = block_table
-        if self.fingerprinting and plan.fingerprint is None:
-            # Positional calls' slot: one address, so captured calls replay alike.
-            plan = plan.with_fingerprint(self._scratch_fp)  # type: ignore[arg-type]
-        return self.checker.planned(iq, index_cache, plan, tag)
 
     def refuse(self, what: str, error: BaseException) -> None:
         """Tell the peers that this rank refused its call (host-lockstep transports), so they

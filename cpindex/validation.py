@@ -9,47 +9,35 @@ so the fused kernel makes them instead and records a failure in its error word, 
 call (or :meth:`cpindex.IndexCP.check`) raises as :class:`~cpindex.BadBlockTableError`.
 
 A step's shared inputs (block table, lengths, query length, forcing counts, width) are checked
-once by :func:`check_plan`; each call then checks its own ``iq`` and cache against the plan
-(:func:`check_planned`). The positional form checks both (:func:`check_call`). Any exception an
-argument raises while being checked (an exotic tensor whose attributes raise) is reported as a
-``TypeError`` naming that argument, so a rank's bad input is always a refusal its peers hear
-about, never a crash inside the call.
+once by :meth:`Checker.plan`, which records what it checked in the plan; each call then checks
+its own ``iq`` and cache against the plan, and that the plan still is what was checked
+(:meth:`Checker.planned`: a plan whose tensors were resized in place, or whose fields were
+replaced, is refused, naming what changed). Any exception an argument raises while being checked
+(an exotic tensor whose attributes raise) is reported as a ``TypeError`` naming that argument,
+so a rank's bad input is always a refusal its peers hear about, never a crash inside the call.
 
 A :class:`Checker` runs these checks for one instance (or op call site) and memoizes the verdicts
 of the metadata checks, so a call whose tensors look like an earlier call's costs a few
-dictionary lookups (docs/design.md, "The host path"); the module functions run them afresh.
+dictionary lookups (docs/design.md, "The host path").
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from numbers import Integral
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
 from . import fingerprint, formats
 from .config import CPIndexConfig
 from .memo import Memo, check_key, view_key
-from .plan import Plan
+from .plan import Call, Plan
 
 T = TypeVar("T")
 
 #: Tags are compared across ranks as 64-bit values (the kernel keeps them in a u64 flag word).
 TAG_LIMIT = 1 << 63
-
-
-class Call(NamedTuple):
-    """One validated call: this rank's queries and cache, the step's plan, and the tag (a
-    named tuple: made on every call, so it costs what a tuple costs)."""
-
-    iq: torch.Tensor  # [plan.rows, heads_per_rank, 128], contiguous
-    index_cache: formats.Cache
-    plan: Plan
-    tag: int | None = None
-    #: :func:`~cpindex.memo.view_key` of the cache (a pair: of each part) as validation read
-    #: it, for the launcher's per-tensor views; None: read it again.
-    cache_key: tuple | None = None
 
 
 def _guarded(name: str, check: Callable[..., T], *args: Any) -> T:
@@ -189,24 +177,16 @@ def _cache(cfg: CPIndexConfig, device: torch.device, index_cache: object) -> for
     return index_cache
 
 
-def _block_table(
-    device: torch.device, block_table: object, rows: int | None, query_len: int
-) -> torch.Tensor:
+def _block_table(device: torch.device, block_table: object) -> torch.Tensor:
     block_table = _tensor("block_table", block_table)
     if block_table.dtype != torch.int32:
         raise TypeError(
-            f"block_table: expected torch.int32 [rows, max_blocks], got {_desc(block_table)}"
+            f"block_table: expected torch.int32 [requests, max_blocks], got {_desc(block_table)}"
         )
-    if rows is not None:
-        want = rows // query_len
-    else:
-        want = block_table.shape[0] if block_table.dim() == 2 else None
-    if block_table.dim() != 2 or block_table.shape[0] != want or block_table.shape[1] < 1:
-        n = "requests" if want is None else want
-        note = "" if rows is None else f": iq's {rows} rows / query_len {query_len}"
+    if block_table.dim() != 2 or block_table.shape[0] < 1 or block_table.shape[1] < 1:
         raise ValueError(
-            f"block_table: expected torch.int32 [{n}, max_blocks >= 1] (one row per "
-            f"request{note}), got {_desc(block_table)}"
+            "block_table: expected torch.int32 [requests >= 1, max_blocks >= 1] (one row per "
+            f"request), got {_desc(block_table)}"
         )
     if block_table.stride(1) != 1:
         raise ValueError(
@@ -238,17 +218,16 @@ def _plan_args(
     device: torch.device,
     block_table: object,
     seq_lens: object,
+    query_len: int,
     init_blocks: object,
     local_blocks: object,
     width: object,
-    query_len: int,
-    rows: int | None,
 ) -> int:
     """Every metadata check of a plan's arguments, in the order they are reported; returns the
     width (``None``: ``block_table.shape[1]``)."""
-    bt = _guarded("block_table", _block_table, device, block_table, rows, query_len)
+    bt = _guarded("block_table", _block_table, device, block_table)
     requests = bt.shape[0]
-    if rows is None and requests * query_len > cfg.max_rows:
+    if requests * query_len > cfg.max_rows:
         raise ValueError(
             f"block_table: {requests} requests x query_len {query_len} = "
             f"{requests * query_len} rows, more than max_rows={cfg.max_rows}"
@@ -266,8 +245,42 @@ def _plan_args(
     return _count("width", width, 1, cfg.max_width)
 
 
+_SIZE_NAMES = (
+    "block_table's dtype", "block_table's shape", "block_table's strides",
+    "seq_lens' dtype", "seq_lens' shape", "seq_lens' strides",
+    "query_len", "init_blocks", "local_blocks", "width", "device",
+)  # fmt: skip
+
+
+def _changed(plan: Plan, device: torch.device) -> ValueError:
+    """The error for a plan that no longer matches what :meth:`Checker.plan` checked, or was
+    checked for another device than ``device``."""
+    if plan.checked is None:
+        return ValueError(
+            "plan: not made by IndexCP.plan (a Plan built directly records no checks); make "
+            "it with this instance's plan()"
+        )
+    try:
+        now = plan.record()
+    except Exception as e:  # a field replaced by something without a shape
+        return ValueError(f"plan: changed since plan() checked it ({type(e).__name__}: {e})")
+    if plan.checked == now:
+        return ValueError(f"plan: its tensors are on {now[-1]}, this instance on {device}")
+    diffs = [
+        f"{name} {tuple(a) if isinstance(a, torch.Size) else a} -> "
+        f"{tuple(b) if isinstance(b, torch.Size) else b}"
+        for name, a, b in zip(_SIZE_NAMES, plan.checked, now, strict=True)
+        if a != b
+    ]
+    return ValueError(
+        "plan: changed since plan() checked it (" + "; ".join(diffs) + "): a plan's tensors "
+        "must keep their shapes and its fields their values; make a new plan"
+    )
+
+
 class Checker:
-    """The input checks of one call site: a configuration, its heads per rank and its device.
+    """The input checks of one call site: a configuration, its heads per rank and its device,
+    and the fingerprint slot its plans carry (None: calls compare none).
 
     Checks that read only metadata are memoized (:mod:`cpindex.memo`): a passing verdict is
     stored under :func:`~cpindex.memo.check_key` of every tensor the check read (type, dtype,
@@ -277,8 +290,15 @@ class Checker:
     never skips a check a new input fails). Contents are never memoized: CPU tensors' are
     checked, and the plan's fingerprint recomputed, on every call."""
 
-    def __init__(self, cfg: CPIndexConfig, heads_per_rank: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        cfg: CPIndexConfig,
+        heads_per_rank: int,
+        device: torch.device,
+        fingerprint: torch.Tensor | None = None,
+    ) -> None:
         self.cfg, self.heads_per_rank, self.device = cfg, heads_per_rank, device
+        self.fingerprint = fingerprint
         self.on_cpu = device.type == "cpu"
         self._max_query_len = cfg.max_query_len
         self._iqs: Memo[bool] = Memo()
@@ -326,32 +346,17 @@ class Checker:
         self,
         block_table: object,
         seq_lens: object,
+        *,
+        query_len: object = 1,
         init_blocks: object = 0,
         local_blocks: object = 1,
         width: object = None,
-        query_len: object = 1,
-        *,
-        fingerprint_out: torch.Tensor | None = None,
-        rows: int | None = None,
     ) -> Plan:
-        """:func:`check_plan`, memoized."""
-        return self._plan(
-            block_table, seq_lens, init_blocks, local_blocks, width, self.query_len(query_len),
-            fingerprint_out, rows,
-        )  # fmt: skip
-
-    def _plan(
-        self,
-        block_table: object,
-        seq_lens: object,
-        init_blocks: object,
-        local_blocks: object,
-        width: object,
-        query_len: int,
-        fingerprint_out: torch.Tensor | None,
-        rows: int | None,
-    ) -> Plan:
-        """:meth:`plan` with ``query_len`` checked."""
+        """A step's shared inputs, validated (``TypeError``/``ValueError`` naming the
+        argument); ``width`` None takes ``block_table.shape[1]``. The plan records what was
+        checked (:attr:`Plan.checked`) and carries this checker's fingerprint slot, not yet
+        computed (every call computes it)."""
+        query_len = self.query_len(query_len)
         key = None
         # Exact ints only in a key: True == 1 and hashes alike, but is refused.
         if (
@@ -361,7 +366,7 @@ class Checker:
         ):
             try:
                 key = (
-                    check_key(block_table), check_key(seq_lens), rows, query_len, init_blocks,
+                    check_key(block_table), check_key(seq_lens), query_len, init_blocks,
                     local_blocks, width,
                 )  # fmt: skip
             except Exception:
@@ -369,21 +374,25 @@ class Checker:
         w = self._plans.get(key) if key is not None else None
         if w is None:
             w = _plan_args(
-                self.cfg, self.device, block_table, seq_lens, init_blocks, local_blocks, width,
-                query_len, rows,
+                self.cfg, self.device, block_table, seq_lens, query_len, init_blocks,
+                local_blocks, width,
             )  # fmt: skip
             if key is not None:
                 self._plans.put(key, w)
-        plan = Plan._of(
-            block_table, seq_lens, query_len, init_blocks, local_blocks, w, fingerprint_out,  # type: ignore[arg-type]
-            self.cfg,
+        plan = Plan(
+            block_table, seq_lens, query_len, init_blocks, local_blocks, w,  # type: ignore[arg-type]
+            self.fingerprint, self.cfg,
         )  # fmt: skip
+        object.__setattr__(plan, "checked", plan.record())
         if self.on_cpu:
             _check_contents(plan, None)
-        return plan if fingerprint_out is None else plan.refresh()
+        return plan
 
     def planned(self, iq: object, index_cache: object, plan: object, tag: object = None) -> Call:
-        """:func:`check_planned`, memoized."""
+        """One call with a plan, validated: the plan's origin and that it still is what
+        :meth:`plan` checked, ``iq`` against it, the cache, the tag. On the CPU the plan's
+        contents are checked again (against this cache's pages). The plan's fingerprint is
+        recomputed: the tensors' contents may have changed since the plan was made."""
         if not isinstance(plan, Plan):
             raise TypeError(
                 f"plan: expected a cpindex Plan (IndexCP.plan), got {type(plan).__name__}"
@@ -394,13 +403,21 @@ class Checker:
                 "plan: made by an IndexCP with another configuration (or not by IndexCP.plan); "
                 "make it with this instance's plan()"
             )
-        if plan.block_table.device != self.device:
-            raise ValueError(
-                f"plan: its tensors are on {plan.device}, this instance on {self.device}"
-            )
-        tag = check_tag(tag)
+        try:  # plan.record() inline, the device as this instance's: the hot path
+            bt, sl = plan.block_table, plan.seq_lens
+            shape = bt.shape
+            same = plan.checked == (
+                bt.dtype, shape, bt.stride(), sl.dtype, sl.shape, sl.stride(), plan.query_len,
+                plan.init_blocks, plan.local_blocks, plan.width, self.device,
+            )  # fmt: skip
+        except Exception:
+            same = False
+        if not same:
+            raise _changed(plan, self.device)
+        if tag is not None and (type(tag) is not int or not 0 <= tag < TAG_LIMIT):
+            tag = check_tag(tag)
         iq, rows = self.iq(iq)
-        if rows != plan.rows:
+        if rows != shape[0] * plan.query_len:
             raise ValueError(
                 f"iq: expected {plan.rows} rows (the plan's {plan.requests} requests x "
                 f"query_len {plan.query_len}), got {rows}"
@@ -408,103 +425,15 @@ class Checker:
         index_cache, key = self.cache(index_cache)
         if self.on_cpu:
             _check_contents(plan, index_cache)
-        # The fingerprint of the tensors' current contents, which may have changed in place
-        # since the plan was made (one launch on a GPU, captured with the call; none without).
-        plan.refresh()
-        return Call(iq, index_cache, plan, tag, key)  # type: ignore[arg-type]
-
-    def call(
-        self,
-        iq: object,
-        index_cache: object,
-        block_table: object,
-        seq_lens: object,
-        init_blocks: object = 0,
-        local_blocks: object = 1,
-        width: object = None,
-        query_len: object = 1,
-        tag: object = None,
-        *,
-        fingerprint_out: torch.Tensor | None = None,
-    ) -> Call:
-        """:func:`check_call`, memoized."""
-        tag = check_tag(tag)
-        query_len = self.query_len(query_len)
-        iq, rows = self.iq(iq)
-        if rows % query_len:
-            raise ValueError(
-                f"iq: rows must be requests * query_len (query_len={query_len}), got {rows} rows"
-            )
-        index_cache, key = self.cache(index_cache)
-        plan = self._plan(
-            block_table, seq_lens, init_blocks, local_blocks, width, query_len, fingerprint_out,
-            rows,
-        )  # fmt: skip
-        if self.on_cpu:
-            _check_pages(plan, index_cache)
-        return Call(iq, index_cache, plan, tag, key)  # type: ignore[arg-type]
-
-
-def check_plan(
-    cfg: CPIndexConfig,
-    device: torch.device,
-    block_table: object,
-    seq_lens: object,
-    init_blocks: object = 0,
-    local_blocks: object = 1,
-    width: object = None,
-    query_len: object = 1,
-    *,
-    fingerprint_out: torch.Tensor | None = None,
-    rows: int | None = None,
-) -> Plan:
-    """Validates a step's shared inputs; raises ``TypeError``/``ValueError`` naming the
-    argument. ``width`` None takes ``block_table.shape[1]``. ``rows`` (the positional form):
-    the rows of the call's ``iq``, which fix the requests. With ``fingerprint_out`` (int64
-    ``[1]`` on ``device``) the plan's fingerprint is computed into it."""
-    return Checker(cfg, 1, device).plan(
-        block_table, seq_lens, init_blocks, local_blocks, width, query_len,
-        fingerprint_out=fingerprint_out, rows=rows,
-    )  # fmt: skip
-
-
-def check_planned(
-    cfg: CPIndexConfig,
-    heads_per_rank: int,
-    device: torch.device,
-    iq: object,
-    index_cache: object,
-    plan: object,
-    tag: object = None,
-) -> Call:
-    """Validates one call made with a plan: the plan's origin, ``iq`` against it, the cache,
-    the tag. On the CPU the plan's contents are checked again (against this cache's pages)
-    and its fingerprint recomputed: the tensors may have changed since the plan was made."""
-    return Checker(cfg, heads_per_rank, device).planned(iq, index_cache, plan, tag)
-
-
-def check_call(
-    cfg: CPIndexConfig,
-    heads_per_rank: int,
-    device: torch.device,
-    iq: object,
-    index_cache: object,
-    block_table: object,
-    seq_lens: object,
-    init_blocks: object = 0,
-    local_blocks: object = 1,
-    width: object = None,
-    query_len: object = 1,
-    tag: object = None,
-    *,
-    fingerprint_out: torch.Tensor | None = None,
-) -> Call:
-    """Validates one positional call (its plan included); raises ``TypeError``/``ValueError``
-    naming the argument."""
-    return Checker(cfg, heads_per_rank, device).call(
-        iq, index_cache, block_table, seq_lens, init_blocks, local_blocks, width, query_len,
-        tag, fingerprint_out=fingerprint_out,
-    )  # fmt: skip
+        fp = self.fingerprint
+        if plan.fingerprint is not fp:  # another instance's plan, or a bare one
+            plan = plan.with_fingerprint(fp)
+        if fp is not None:
+            # The fingerprint of the tensors' current contents, which may have changed in
+            # place since the plan was made (one launch on a GPU, captured with the call).
+            plan.refresh()
+        # Call(...) without the named tuple's Python-level __new__: made on every call
+        return tuple.__new__(Call, (iq, index_cache, plan, tag, key))  # type: ignore[return-value]
 
 
 def check_topk(cfg: CPIndexConfig, topk: object, return_scores: object = False) -> int:

@@ -9,208 +9,106 @@ A serving stack that calls that module swaps one import and changes nothing else
     scores = cp.score_push(iq, index_cache, block_table, seq_lens,
                            init_blocks, local_blocks, width)  # [1, rows, width] float32
 
-Its arguments keep that module's positions and meanings: heads = world size and rank ``r``
-owns head ``r``; ``iq`` holds this rank's head; ``rows = requests * T`` with ``T`` read off
-``rows / block_table.shape[0]``. Everything else (transport, cache format, timeouts, ...) comes
-from ``CPINDEX_*`` environment variables through :meth:`cpindex.CPIndexConfig.from_env`. The
-work is done by one wrapped :class:`cpindex.IndexCP` (``.cp``), which validates each call.
+Heads = world size, rank ``r`` owns head ``r``; ``T = rows / block_table.shape[0]``. The rest of
+the configuration comes from ``CPINDEX_*`` variables (:meth:`cpindex.CPIndexConfig.from_env`).
+Each call is :meth:`cpindex.IndexCP.plan` (reused while the same ``block_table`` and
+``seq_lens`` objects come with the same counts, as every layer of a step passes them) and the
+plan form of :class:`cpindex.IndexCP` (``.cp``; its other attributes are reachable here).
+
+**Tags.** The seed's calls carry no tag, and counting calls cannot see a skipped one: a skip
+shifts every later count alike, so with equal shapes rank 1's layer L+1 would pair with rank 0's
+layer L. What tells layers apart without the caller is the cache: each sparse layer passes its
+own ``index_cache`` tensor, the same object at every step. An untagged call is tagged with the
+order in which this instance first saw that cache object (0, 1, ...): every rank runs the same
+code, so every rank numbers its layers' caches alike without talking, and a rank that skips a
+layer's call makes the next call's tags differ: every rank raises ``OutOfStepError`` at once.
+The tag is a host int fixed when the call is made, so a captured call replays with its layer's
+tag. Blind spots: a skip during the very first pass over the layers (numbers are handed out
+then); layers that share one cache tensor; a stack that builds a new cache object per call
+(then every call gets a new number: never a false alarm, but no protection). Such a stack passes
+``tag=`` (e.g. ``step * layers + layer``), which is used as given.
 """
 
 from __future__ import annotations
 
 import operator
 import warnings
+import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from . import api, formats
+from .api import get, shutdown
 from .config import CPIndexConfig
-from .errors import CPIndexError
+from .plan import Plan
 
 __all__ = ["IndexCP", "get", "init", "shutdown"]
 
-
-def _rank_of(group: dist.ProcessGroup | None, comm: Any) -> int:
-    """This process's rank in the group the instance will run on."""
-    if comm is not None:
-        if group is not None:
-            raise ValueError("group: pass either group or comm, not both")
-        return int(comm.rank)
-    if not dist.is_initialized():
-        raise ValueError("group: torch.distributed is not initialized (init_process_group first)")
-    r = dist.get_rank(group)
-    if r < 0:
-        raise ValueError("group: this process is not a member of the given process group")
-    return r
+#: Cache objects numbered before the numbering starts over (on every rank alike).
+LAYER_LIMIT = 4096
 
 
 class IndexCP:
-    """Context-parallel index scoring with the seed's constructor and call signatures.
+    """The seed's ``IndexCP(rank, group, device, max_rows, max_width)``: collective (every rank
+    of ``group``, outside capture). ``rank`` must be this process's rank in ``group`` (``None``:
+    the world); ``comm`` replaces ``group`` in the one-process world. The configuration is
+    ``CPIndexConfig.from_env(num_heads=W, max_rows=max_rows, max_width=max_width)``. Raises
+    ``ValueError`` for a wrong ``rank`` (before anything is exchanged) or configuration."""
 
-    Construction is collective (every rank of the group, in the same order, outside CUDA graph
-    capture): the ranks agree on a configuration and a transport and allocate their buffers.
-
-    Args:
-        rank: this process's rank in ``group``; it must equal ``dist.get_rank(group)``. Rank
-            ``r`` receives head ``r``'s scores.
-        group: the ``torch.distributed`` process group (``None``: the world group). Its size is
-            the number of index heads.
-        device: this rank's device (``torch.device``, ``"cuda:0"``, a CUDA ordinal, or
-            ``"cpu"``).
-        max_rows: most query rows (``requests * T``) of one call.
-        max_width: most score columns (blocks) of one call.
-        comm: instead of ``group``, a cpindex ``Comm``: the one-process world of
-            :func:`cpindex.world.run_threads` passes its per-thread ``ThreadComm`` this way.
-
-    The configuration is ``CPIndexConfig.from_env(num_heads=W, max_rows=max_rows,
-    max_width=max_width)``: those three come from here whatever the environment says, every
-    other field from its ``CPINDEX_*`` variable or its default.
-
-    Raises:
-        ValueError: ``rank`` is not this process's rank in the group (checked before anything
-            is exchanged), or the configuration is invalid (pydantic's ``ValidationError``).
-        CPIndexError: construction failed on another rank, or the ranks' configurations differ.
-    """
-
-    def __init__(
-        self,
-        rank: int,
-        group: dist.ProcessGroup | None,
-        device: torch.device | str | int | None,
-        max_rows: int,
-        max_width: int,
-        *,
-        comm: Any = None,
-    ) -> None:
+    def __init__(self, rank: int, group: dist.ProcessGroup | None, device: Any, max_rows: int,
+                 max_width: int, *, comm: Any = None) -> None:  # fmt: skip
         if isinstance(rank, bool) or not hasattr(rank, "__index__"):
             raise TypeError(f"rank: expected an int, got {type(rank).__name__}")
-        rank = operator.index(rank)
-        actual = _rank_of(group, comm)
-        if rank != actual:
-            raise ValueError(
-                f"rank: got {rank}, but this process is rank {actual} of the group; pass the "
-                "rank within the group the instance runs on (heads follow group ranks)"
-            )
+        if comm is not None and group is not None:
+            raise ValueError("group: pass either group or comm, not both")
+        if comm is None and not dist.is_initialized():
+            raise ValueError("group: torch.distributed is not initialized (init_process_group)")
+        actual = int(comm.rank) if comm is not None else dist.get_rank(group)
+        if actual < 0:
+            raise ValueError("group: this process is not a member of the given process group")
+        if operator.index(rank) != actual:
+            raise ValueError(f"rank: got {rank}, but this process is rank {actual} of the group")
         world = int(comm.world_size) if comm is not None else dist.get_world_size(group)
         config = CPIndexConfig.from_env(num_heads=world, max_rows=max_rows, max_width=max_width)
-        #: The wrapped instance: reset(), check(), exchange_bytes() and the rest live there.
-        self.cp = api.IndexCP(config, group, device, comm=comm)
+        self.cp = api.IndexCP(config, group, device, comm=comm)  #: the wrapped instance
+        self._plan: Plan | None = None
+        self._key: tuple = ()
+        self._layers: dict[int, tuple[weakref.ref, int]] = {}  # id(cache) -> (ref, number)
+        self._numbered = 0
         self._warned_grid = False
 
-    # ---- properties -----------------------------------------------------------------------
-    @property
-    def rank(self) -> int:
-        return self.cp.rank
+    def __getattr__(self, name: str) -> Any:  # rank, config, reset(), check(), close(), ...
+        if name == "cp":
+            raise AttributeError(name)
+        return getattr(self.cp, name)
 
-    @property
-    def world_size(self) -> int:
-        """Ranks in the group, which is also the number of index heads."""
-        return self.cp.world_size
+    def score_push(self, iq: torch.Tensor, index_cache: formats.Cache, block_table: torch.Tensor,
+                   seq_lens: torch.Tensor, init_blocks: int, local_blocks: int, width: int,
+                   grid: int = 0, *, tag: int | None = None) -> torch.Tensor:  # fmt: skip
+        """This rank's head's scores, float32 ``[1, rows, width]``: a view valid until the next
+        call. ``grid`` is accepted and ignored (the kernel sizes its grid; a positive value
+        warns once). Bad ``grid``, or rows not ``requests * T`` with ``T <= max_query_len``:
+        refused here, before anything is exchanged; the rest as in
+        :meth:`cpindex.IndexCP.score_push`."""
+        plan = self._plan_for(iq, block_table, seq_lens, init_blocks, local_blocks, width, grid)
+        return self.cp.score_push(iq, index_cache, plan, tag=self._tag(index_cache, tag))
 
-    @property
-    def config(self) -> CPIndexConfig:
-        return self.cp.config
-
-    @property
-    def device(self) -> torch.device:
-        return self.cp.device
-
-    @property
-    def transport_name(self) -> str:
-        return self.cp.transport_name
-
-    @property
-    def capturable(self) -> bool:
-        """Whether calls may be captured in a CUDA/HIP graph (GPU and a capturable transport)."""
-        return self.cp.capturable
-
-    # ---- the calls ------------------------------------------------------------------------
-    def score_push(
-        self,
-        iq: torch.Tensor,
-        index_cache: formats.Cache,
-        block_table: torch.Tensor,
-        seq_lens: torch.Tensor,
-        init_blocks: int,
-        local_blocks: int,
-        width: int,
-        grid: int = 0,
-        *,
-        tag: int | None = None,
-    ) -> torch.Tensor:
-        """This rank's head's score for every block of every row.
-
-        Args:
-            iq: this rank's head's query rows, ``[rows, 128]`` or ``[rows, 1, 128]``,
-                contiguous; ``float8_e4m3fn`` for fp8 and nvfp4 caches, ``bfloat16`` for bf16.
-                ``rows = requests * T``, request-major (token t of request r is row
-                ``r * T + t``), ``T = rows / block_table.shape[0]`` (at most
-                ``config.max_query_len``).
-            index_cache: the paged cache in ``config.cache_format`` (``CPINDEX_CACHE_FORMAT``,
-                default nvfp4), passed as it is: vLLM's nvfp4 ``uint8 [pages, 128, 72]``, the
-                pair ``(cache[..., :64], cache[..., 64:])`` of a token-interleaved one, or
-                bf16/fp8 ``[pages, 128, 128]`` (docs/formats.md).
-            block_table: int32 ``[requests, max_blocks]``, rows contiguous.
-            seq_lens: int32 ``[requests]``: keys each request sees through its last query
-                token; token t sees ``seq_lens[r] - T + 1 + t``.
-            init_blocks, local_blocks: forced-selection counts (MiniMax-M3: 0 and 1).
-            width: score columns, ``ceil(max(seq_lens) / 128) <= width <= max_width``.
-            grid: 0 picks the launch grid automatically. A positive value is accepted and has
-                no effect (a warning says so once per instance): the kernel sizes its grid
-                itself, because every CTA of a push must be resident at once (CTAs wait for
-                their peers' CTAs) and the size must follow from static shapes so captured
-                graphs replay; results never depend on it.
-            tag: optional int that identifies the call on every rank (e.g. ``step * layers +
-                layer``); ranks with different tags raise ``OutOfStepError``. Passed through.
-
-        Returns:
-            float32 ``[1, rows, width]``: a view of the instance's receive buffer, valid until
-            the next call on this instance (``.clone()`` to keep it).
-
-        Raises:
-            TypeError, ValueError: bad input. A ``rows`` that is not a multiple of
-                ``block_table.shape[0]`` and a bad ``grid`` are refused here, before anything
-                is exchanged (the instance stays usable); other input errors are raised by
-                :meth:`cpindex.IndexCP.score_push` (see there).
-        """
-        query_len = self._query_len(iq, block_table, grid)
-        return self.cp.score_push(
-            iq, index_cache, block_table, seq_lens, init_blocks, local_blocks, width,
-            query_len=query_len, **_tag(tag),
-        )  # fmt: skip
-
-    def select_blocks(
-        self,
-        iq: torch.Tensor,
-        index_cache: formats.Cache,
-        block_table: torch.Tensor,
-        seq_lens: torch.Tensor,
-        init_blocks: int,
-        local_blocks: int,
-        width: int,
-        grid: int = 0,
-        *,
-        topk: int = 16,
-        tag: int | None = None,
-    ) -> torch.Tensor:
-        """This rank's head's ``topk`` best blocks per row: what sparse attention reads.
-
-        Same arguments as :meth:`score_push`. Returns int32 ``[1, rows, topk]``: block ids in
-        ascending order, ``-1`` for the slots a row with fewer than ``topk`` blocks leaves
-        (docs/contract.md §6); a view valid until the next call. Ranks exchange only their
-        ``topk`` candidates per row, whatever the width.
-        """
-        query_len = self._query_len(iq, block_table, grid)
+    def select_blocks(self, iq: torch.Tensor, index_cache: formats.Cache,
+                      block_table: torch.Tensor, seq_lens: torch.Tensor, init_blocks: int,
+                      local_blocks: int, width: int, grid: int = 0, *, topk: int = 16,
+                      tag: int | None = None) -> torch.Tensor:  # fmt: skip
+        """This rank's head's ``topk`` block-table columns per row, int32 ``[1, rows, topk]``
+        (ascending, ``-1``-padded; :meth:`cpindex.IndexCP.select_blocks`)."""
+        plan = self._plan_for(iq, block_table, seq_lens, init_blocks, local_blocks, width, grid)
         return self.cp.select_blocks(
-            iq, index_cache, block_table, seq_lens, init_blocks, local_blocks, width,
-            query_len=query_len, topk=topk, **_tag(tag),
-        )  # fmt: skip
+            iq, index_cache, plan, topk=topk, tag=self._tag(index_cache, tag)
+        )
 
-    def _query_len(self, iq: object, block_table: object, grid: object) -> int:
-        """``T`` from the row ratio, and the checks only this wrapper knows, all made before
-        the wrapped instance sees the call (so a refusal here exchanges nothing)."""
+    def _plan_for(
+        self, iq: Any, block_table: Any, seq_lens: Any, init: Any, local: Any, width: Any, grid: Any
+    ) -> Plan:
         if isinstance(grid, bool) or not isinstance(grid, int):
             raise TypeError(f"grid: expected an int, got {type(grid).__name__}")
         if grid < 0:
@@ -218,48 +116,57 @@ class IndexCP:
         if grid > 0 and not self._warned_grid:
             self._warned_grid = True
             warnings.warn(
-                f"grid={grid} has no effect: cpindex sizes the kernel's grid itself (a push "
-                "grid must be resident at once and capture-stable); results are the same",
+                f"grid={grid} has no effect: cpindex sizes the kernel's grid itself "
+                "(capture-stable, resident at once); results are the same",
                 stacklevel=3,
             )
-        if not isinstance(iq, torch.Tensor):
-            raise TypeError(
-                f"iq: expected a torch.Tensor [rows, 128] or [rows, 1, 128], got "
-                f"{type(iq).__name__}"
-            )
-        if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
-            got = (
-                f"{block_table.dtype} {list(block_table.shape)}"
-                if isinstance(block_table, torch.Tensor)
-                else type(block_table).__name__
-            )
-            raise TypeError(
-                f"block_table: expected a torch.int32 tensor [requests, max_blocks], got {got}"
-            )
-        if iq.dim() not in (2, 3):
+        if not isinstance(iq, torch.Tensor) or not isinstance(block_table, torch.Tensor):
+            raise TypeError("iq, block_table: expected torch.Tensors")
+        rows, requests = iq.shape[0] if iq.dim() else 0, block_table.shape[0]
+        if block_table.dim() != 2 or rows < 1 or requests < 1 or rows % requests:
             raise ValueError(
-                f"iq: expected [rows, 128] or [rows, 1, 128], got {iq.dtype} {list(iq.shape)}"
+                f"iq, block_table: iq's rows must be requests * T; got {rows} iq rows for "
+                f"{requests} block_table rows (iq {list(iq.shape)}, block_table "
+                f"{list(block_table.shape)})"
             )
-        rows, requests = iq.shape[0], block_table.shape[0]
-        if rows < 1 or requests < 1 or rows % requests:
+        t, most = rows // requests, self.cp.config.max_query_len
+        if t > most:
             raise ValueError(
-                f"iq, block_table: iq's rows must be requests * T, with one block_table row per "
-                f"request; got {rows} iq rows for {requests} block_table rows (iq "
-                f"{list(iq.shape)}, block_table {list(block_table.shape)})"
+                f"iq, block_table: T = {t} query rows per request, more than "
+                f"max_query_len={most} (CPINDEX_MAX_QUERY_LEN)"
             )
-        query_len = rows // requests
-        if query_len > self.cp.config.max_query_len:
-            raise ValueError(
-                f"iq, block_table: T = {rows} iq rows / {requests} block_table rows = "
-                f"{query_len} query rows per request, more than max_query_len="
-                f"{self.cp.config.max_query_len} (CPINDEX_MAX_QUERY_LEN)"
-            )
-        return query_len
+        key = (t, init, local, width, type(init), type(local), type(width))  # True is not 1
+        p = self._plan
+        if (
+            p is None
+            or key != self._key
+            or p.block_table is not block_table
+            or p.seq_lens is not seq_lens
+            or p.checked != p.record()  # resized in place since
+        ):
+            p = self.cp.plan(block_table, seq_lens, query_len=t, init_blocks=init,
+                             local_blocks=local, width=width)  # fmt: skip
+            self._plan, self._key = p, key
+        return p
 
-    # ---- lifetime -------------------------------------------------------------------------
-    def close(self) -> None:
-        """Collective, bounded by ``timeout_s``: release buffers and peer mappings."""
-        self.cp.close()
+    def _tag(self, index_cache: Any, tag: int | None) -> int | None:
+        """``tag`` if given, else the number of this cache object (see the module docstring)."""
+        if tag is not None:
+            return tag
+        cache = index_cache[0] if isinstance(index_cache, tuple) and index_cache else index_cache
+        seen = self._layers.get(id(cache))
+        if seen is not None and seen[0]() is cache:
+            return seen[1]
+        try:
+            ref = weakref.ref(cache)
+        except TypeError:
+            return None  # not a tensor: the call refuses it
+        if self._numbered >= LAYER_LIMIT:  # by count, not len(): ids are reused unevenly
+            self._layers.clear()
+            self._numbered = 0
+        self._layers[id(cache)] = (ref, self._numbered)
+        self._numbered += 1
+        return self._numbered - 1
 
     def __enter__(self) -> IndexCP:
         return self
@@ -271,52 +178,9 @@ class IndexCP:
         return f"cpindex.vllm.IndexCP({self.cp!r})"
 
 
-def _tag(tag: int | None) -> dict[str, int]:
-    # Only when given: an IndexCP without tags still takes every untagged call.
-    return {} if tag is None else {"tag": tag}
-
-
-_instance: IndexCP | None = None
-_instance_args: tuple[Any, ...] | None = None
-
-
 def init(
-    rank: int,
-    group: dist.ProcessGroup | None,
-    device: torch.device | str | int | None,
-    max_rows: int,
-    max_width: int,
+    rank: int, group: dist.ProcessGroup | None, device: Any, max_rows: int, max_width: int
 ) -> IndexCP:
-    """Create this process's instance (collective, once, outside capture) and return it.
-
-    A later call with the same arguments returns that instance without communicating; other
-    arguments raise :class:`cpindex.CPIndexError` (:func:`shutdown` first). :func:`get`
-    returns the instance anywhere.
-    """
-    global _instance, _instance_args
-    args = (rank, group, device, max_rows, max_width)
-    if _instance is not None:
-        if args != _instance_args:
-            raise CPIndexError(
-                f"cpindex.vllm.init called again with other arguments ({args[0]}, ..., "
-                f"max_rows={max_rows}, max_width={max_width}) than the instance it made; call "
-                "cpindex.vllm.shutdown() first"
-            )
-        return _instance
-    _instance, _instance_args = IndexCP(*args), args
-    return _instance
-
-
-def get() -> IndexCP:
-    """The instance :func:`init` created."""
-    if _instance is None:
-        raise CPIndexError("cpindex.vllm.get() before cpindex.vllm.init()")
-    return _instance
-
-
-def shutdown() -> None:
-    """Close and forget the instance :func:`init` created (collective)."""
-    global _instance, _instance_args
-    if _instance is not None:
-        inst, _instance, _instance_args = _instance, None, None
-        inst.close()
+    """The seed's ``init``: this process's shared drop-in instance (:func:`cpindex.init`'s
+    rules: made once, the same one again for equal arguments; :func:`get`, :func:`shutdown`)."""
+    return api.shared(IndexCP, (rank, group, device, max_rows, max_width), "cpindex.vllm.init")

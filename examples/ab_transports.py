@@ -35,7 +35,6 @@ def job(comm: Comm, args: argparse.Namespace, device: torch.device) -> dict:
         args.requests, args.context, args.format, query_len=args.query_len, seed=1, device=device
     )
     iq = prob.rank_queries(comm.rank, comm.world_size)  # this rank's heads only
-    call = (iq, prob.index_cache, prob.block_table, prob.seq_lens, 0, 1, prob.width)
     sizes = dict(max_rows=prob.rows, max_query_len=args.query_len, max_width=prob.width)
     results: dict = {}
     for name in TRANSPORTS:
@@ -46,7 +45,10 @@ def job(comm: Comm, args: argparse.Namespace, device: torch.device) -> dict:
             results[name] = {"unavailable": str(e).splitlines()[0]}
             continue
         with cp:  # close() on the way out, collectively
-            first = cp.score_push(*call, query_len=args.query_len)
+            plan = cp.plan(
+                prob.block_table, prob.seq_lens, query_len=args.query_len, width=prob.width
+            )
+            first = cp.score_push(iq, prob.index_cache, plan)
             sync(device)
             comm.barrier()  # nobody launches again while the results are copied out
             scores = first.cpu()
@@ -54,7 +56,7 @@ def job(comm: Comm, args: argparse.Namespace, device: torch.device) -> dict:
             times = []
             for _ in range(args.calls):
                 t0 = time.perf_counter()
-                cp.score_push(*call, query_len=args.query_len)
+                cp.score_push(iq, prob.index_cache, plan)
                 sync(device)  # one call at a time: the time includes the wait for every peer
                 times.append(time.perf_counter() - t0)
             comm.barrier()

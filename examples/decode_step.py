@@ -10,11 +10,12 @@ shows the one-process world that can). Every process:
    instance through ``cpindex.get()``;
 2. keeps the index-key cache as a pool of pages that is identical on every rank (the index keys
    have one head shared by all index heads, so tensor parallelism replicates them); each new
-   token's key is stored in its request's page with ``cpindex.formats.write_keys``;
+   token's key is written into its slot by ``cpindex.formats.write_keys``, which quantizes it;
 3. decodes ``T = 4`` tokens per request per step (speculative / multi-token prediction): ``iq``
    has ``requests * T`` rows, request-major, and ``block_table``/``seq_lens`` one row per request;
-4. on a GPU whose transport can be captured, records the call in a CUDA graph once and replays
-   it every step after refreshing the static inputs in place;
+4. makes the step's plan (``cp.plan``) once over static ``block_table``/``seq_lens`` tensors that
+   every step refills in place, so one plan serves every step and layer; on a GPU whose transport
+   can be captured, records the call in a CUDA graph once and replays it every step;
 5. checks this rank's scores against ``cpindex.reference.block_scores`` every step;
 6. calls ``cpindex.shutdown()`` at the end.
 
@@ -59,9 +60,9 @@ class Cache:
         for block in sorted(set((pos // 128).tolist())):
             if block * 128 >= self.lens[request]:  # a new block: take a page from the pool
                 self.table[request, block] = self.free.pop(0)
-        slots = self.table[request, pos // 128].long() * 128 + pos % 128
-        # quantized as the cache's format wants, in place, on the cache's device
-        formats.write_keys(self.pages, keys.to(self.pages.device), slots.to(self.pages.device))
+        slots = self.table[request, pos // 128].long() * 128 + pos % 128  # page * 128 + token
+        device = self.pages.device
+        formats.write_keys(self.pages, keys.to(device), slots.to(device))
         self.lens[request] += n
 
 
@@ -95,7 +96,7 @@ def decode(rank: int, world: int, steps: int, fmt: str, device: torch.device) ->
     iq = torch.zeros(REQUESTS * T, len(heads), 128, device=device).to(formats.query_dtype(fmt))
     table = torch.zeros(REQUESTS, MAX_BLOCKS, dtype=torch.int32, device=device)
     lens = torch.zeros(REQUESTS, dtype=torch.int32, device=device)
-    graph, out = None, None
+    graph, out, plan = None, None, None
     if rank == 0:
         print(f"transport {cp.transport_name}, {world} ranks, format {fmt}, capturable "
               f"{cp.capturable}; rank 0 owns heads {heads}")  # fmt: skip
@@ -107,18 +108,21 @@ def decode(rank: int, world: int, steps: int, fmt: str, device: torch.device) ->
         iq.copy_(q_all[:, heads[0] : heads[-1] + 1].to(device))
         table.copy_(cache.table.to(device))
         lens.copy_(torch.tensor(cache.lens, dtype=torch.int32).to(device))
+        if plan is None:  # one plan for the whole decode: its tensors are refilled in place
+            plan = cp.plan(table, lens, query_len=T, width=MAX_BLOCKS)
 
-        args = (iq, cache.pages, table, lens, 0, 1, MAX_BLOCKS)
+        # The tag names the call on every rank: its layer here (one layer). A captured call
+        # replays with the tag it was captured with, so a per-layer tag suits graphs.
         if graph is not None:
             graph.replay()
         elif cp.capturable and step > 0:  # capture after one eager call on every rank
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                out = cp.score_push(*args, query_len=T)
+                out = cp.score_push(iq, cache.pages, plan, tag=0)
             graph.replay()
         else:
-            out = cp.score_push(*args, query_len=T)
+            out = cp.score_push(iq, cache.pages, plan, tag=0)
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
 
@@ -127,7 +131,8 @@ def decode(rank: int, world: int, steps: int, fmt: str, device: torch.device) ->
             width=MAX_BLOCKS, query_len=T, sm_scale=cp.config.sm_scale,
         )[heads[0] : heads[-1] + 1]  # fmt: skip
         check(out, want, rank, step)
-        top = cp.select_blocks(*args, query_len=T)  # what sparse attention reads: [hpr, rows, 16]
+        # What sparse attention reads: block-table columns [hpr, rows, 16], -1 padded.
+        top = cp.select_blocks(iq, cache.pages, plan, tag=1)
         if rank == 0:
             print(f"step {step}: {REQUESTS} requests x {T} tokens, lengths {cache.lens}, "
                   f"{'graph replay' if graph is not None else 'eager call'}; matches the "

@@ -17,9 +17,9 @@ and the result is this rank's head, float32 ``[1, rows, width]``. Everything els
 
 One process per rank (NCCL, one GPU each, when there are enough GPUs; otherwise gloo on the
 CPU). Each rank keeps a replicated page pool (nvfp4: vLLM's ``uint8 [pages, 128, 72]``),
-writes every new token's key into its slot, decodes T = 4 rows per request per step, captures
-the call in a CUDA graph after one eager step where the transport allows it, and checks its
-head against ``cpindex.reference`` every step.
+writes every new token's key into its slot (``cpindex.formats.write_keys``), decodes T = 4
+rows per request per step, captures the call in a CUDA graph after one eager step where the
+transport allows it, and checks its head against ``cpindex.reference`` every step.
 """
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ def decode(cp: IndexCP, rank: int, world: int, steps: int, device: torch.device)
     lens = list(PROMPTS)
     for r, n in enumerate(PROMPTS):  # prefill
         pos = torch.arange(n)
-        slots = table_host[r, pos // 128] * 128 + pos % 128
-        formats.write_keys(cache, rms_normed(gen, n).to(device), slots.to(device))
+        slots = (table_host[r, pos // 128] * 128 + pos % 128).to(device)  # page * 128 + token
+        formats.write_keys(cache, rms_normed(gen, n).to(device), slots)
 
     # Static inputs: a captured graph reads these addresses, so each step refreshes them in place.
     iq = torch.zeros(requests * T, 128, device=device).to(formats.query_dtype(fmt))
@@ -89,8 +89,8 @@ def decode(cp: IndexCP, rank: int, world: int, steps: int, device: torch.device)
     for step in range(steps):
         for r in range(requests):  # this step's T new tokens of each request
             pos = torch.arange(lens[r], lens[r] + T)
-            slots = table_host[r, pos // 128] * 128 + pos % 128
-            formats.write_keys(cache, rms_normed(gen, T).to(device), slots.to(device))
+            slots = (table_host[r, pos // 128] * 128 + pos % 128).to(device)
+            formats.write_keys(cache, rms_normed(gen, T).to(device), slots)
             lens[r] += T
         q_all = (torch.randn(requests * T, world, 128, generator=gen) * 2).to(iq.dtype)
         iq.copy_(q_all[:, rank].to(device))  # this rank's head only

@@ -166,14 +166,14 @@ def _calls(r: _Rank) -> dict:
 
             def call(case: Case, op: str, cp=cp, probs=probs, qs=qs):
                 p = probs[case.name]
-                args = (
-                    qs[case.name], p.index_cache, p.block_table, p.seq_lens, case.init,
-                    case.local, p.width,
+                plan = cp.plan(
+                    p.block_table, p.seq_lens, query_len=case.query_len, init_blocks=case.init,
+                    local_blocks=case.local, width=p.width,
                 )  # fmt: skip
                 if op == "score_push":
-                    return cp.score_push(*args, query_len=case.query_len)
+                    return cp.score_push(qs[case.name], p.index_cache, plan)
                 return cp.select_blocks(
-                    *args, query_len=case.query_len, topk=TOPK, return_scores=True
+                    qs[case.name], p.index_cache, plan, topk=TOPK, return_scores=True
                 )
 
             # Warm-up on the largest case, then poison everything it returned.
@@ -217,13 +217,12 @@ def _graph(r: _Rank) -> dict:
     variants = [(p.rank_queries(r.rank, r.world), p.block_table, p.seq_lens) for p in probs]
     out: dict[str, Any] = {"replays": [], "times": []}
     with IndexCP(CPIndexConfig(**GRAPH_CFG), device=DEV) as cp:
+        plan = cp.plan(table, lens, width=width)  # the captured tensors: refilled per replay
 
         def calls():
-            scores = cp.score_push(q, cache, table, lens, 0, 1, width)
+            scores = cp.score_push(q, cache, plan)
             kept = scores.clone()
-            ids, vals = cp.select_blocks(
-                q, cache, table, lens, 0, 1, width, topk=TOPK, return_scores=True
-            )
+            ids, vals = cp.select_blocks(q, cache, plan, topk=TOPK, return_scores=True)
             return scores, kept, ids, vals
 
         _timed(calls)  # eager first: the call images exist before the capture
@@ -291,7 +290,7 @@ def _kill(r: _Rank) -> dict:
     never closed: its group has lost a rank (the process ends right after its report)."""
     p = r.inputs["kill"].to(DEV)
     cp = IndexCP(CPIndexConfig(**KILL_CFG), device=DEV)
-    args = (p.rank_queries(r.rank, r.world), p.index_cache, p.block_table, p.seq_lens, 0, 1)
+    args = (p.rank_queries(r.rank, r.world), p.index_cache, cp.plan(p.block_table, p.seq_lens))
     _timed(lambda: cp.score_push(*args))
     _report(r.out_dir, r.rank, "kill-loop", {"ok": True, "data": {"pid": os.getpid()}})
     calls, t0 = 1, time.monotonic()

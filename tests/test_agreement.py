@@ -73,6 +73,12 @@ def _args(rank: int, world: int, prob: testing.Problem) -> dict[str, Any]:
     )
 
 
+def _push(cp: cpindex.IndexCP, a: dict[str, Any]) -> torch.Tensor:
+    """``cp.score_push`` on the arguments ``a`` (as :func:`_args` names them), its plan first."""
+    plan = cp.plan(a["block_table"], a["seq_lens"], width=a["width"])
+    return cp.score_push(a["iq"], a["index_cache"], plan)
+
+
 def _want(rank: int, world: int, prob: testing.Problem) -> torch.Tensor:
     full = reference.block_scores(
         prob.q, prob.index_cache, prob.block_table, prob.seq_lens, init_blocks=0,
@@ -103,7 +109,7 @@ def _attempt(fn: Callable[[], Any]) -> dict[str, Any]:
 
 def _correct(cp: cpindex.IndexCP, heads: int = 4) -> bool:
     p = _prob(heads)
-    got = cp.score_push(**_args(cp.rank, cp.world_size, p)).clone()
+    got = _push(cp, _args(cp.rank, cp.world_size, p)).clone()
     return bool(torch.equal(got, _want(cp.rank, cp.world_size, p)))
 
 
@@ -162,7 +168,7 @@ def sc_tables(comm: Comm) -> dict:
             args = _args(rank, w, p)
             if rank == 1:
                 args["block_table"] = table
-            out[name] = _attempt(lambda a=args: cp.score_push(**a))
+            out[name] = _attempt(lambda a=args: _push(cp, a))
             out[name + "_after"] = _attempt(lambda: _correct(cp))  # broken until reset
             cp.reset()
         # A plan without a fingerprint slot (not made by this instance) is compared too.
@@ -179,14 +185,14 @@ def sc_tables(comm: Comm) -> dict:
         for r in range(table.shape[0]):
             table[r, n[r] - 1 :] = 1000 + rank  # the local block and padding: never read
         padded["block_table"] = table
-        got = cp.score_push(**padded).clone()
+        got = _push(cp, padded).clone()
         out["padding_ok"] = bool(torch.equal(got, _want(rank, w, p)))
         out["correct"] = _correct(cp)
     with cpindex.IndexCP(_cfg(fingerprint=False), device="cpu", comm=comm) as cp:
         args = _args(rank, w, p)
         if rank == 1:
             args["block_table"] = _flip(p.block_table)
-        out["unchecked"] = _attempt(lambda: cp.score_push(**args))
+        out["unchecked"] = _attempt(lambda: _push(cp, args))
     return out
 
 
@@ -199,7 +205,7 @@ def sc_replicas(comm: Comm) -> dict:
         args = _args(rank, w, p)
         if rank == w - 1:
             args["iq"] = (args["iq"].float() * 0.5).to(torch.float8_e4m3fn)
-        res = _attempt(lambda: cp.score_push(**args))
+        res = _attempt(lambda: _push(cp, args))
         cp.reset()
         return {"call": res, "correct": _correct(cp, heads)}
 
@@ -213,7 +219,7 @@ def sc_bad_tensor(comm: Comm) -> dict:
         if rank == 1:
             rows = [r.float() for r in args["iq"].unbind(0)]
             args["iq"] = torch.nested.nested_tensor(rows).to(torch.float8_e4m3fn)
-        nested = _attempt(lambda: cp.score_push(**args))
+        nested = _attempt(lambda: _push(cp, args))
         cp.reset()
         width = p.width + (100 if rank == 1 else 0)  # rank 1's plan: past max_width
         planned = _attempt(
@@ -265,7 +271,7 @@ def sc_resets(comm: Comm) -> dict:
                 if kind == "reset":
                     lone.append(_attempt(lambda: a.reset(timeout_s=LONE)))
                 else:
-                    lone.append(_attempt(lambda: b.score_push(**_args(rank, w, p))))
+                    lone.append(_attempt(lambda: _push(b, _args(rank, w, p))))
         comm.barrier()
         joint = _attempt(a.reset)
         again = _attempt(a.reset)  # repeated: harmless
@@ -322,7 +328,7 @@ def sc_store_host_dies(comm: Comm, save: Callable[[], None]) -> dict:
             os._exit(0)
 
         comm.all_to_all_into = die  # type: ignore[method-assign]
-    return _attempt(lambda: cp.score_push(**_args(rank, w, _prob())))
+    return _attempt(lambda: _push(cp, _args(rank, w, _prob())))
 
 
 SCENARIOS: dict[str, Callable[[Comm], dict]] = {

@@ -58,9 +58,13 @@ def _call(cp: IndexCP, comm: Comm, prob: testing.Problem, **over: Any) -> dict[s
     lens = args.pop("seq_lens", prob.seq_lens)
     iq = args.pop("iq", prob.rank_queries(cp.rank, cp.world_size))
     out = torch.empty(cp.heads_per_rank, prob.rows, prob.width, device=DEV)
-    res = _try(
-        lambda: kernel_copy(out, cp.score_push(iq, prob.index_cache, bt, lens, 0, 1, **args))
-    )
+    t, w, tag = args.pop("query_len"), args.pop("width"), args.pop("tag")
+
+    def call() -> None:
+        plan = cp.plan(bt, lens, query_len=t, width=w, **args)
+        kernel_copy(out, cp.score_push(iq, prob.index_cache, plan, tag=tag))
+
+    res = _try(call)
     _settle(comm)
     if res["type"] is None:
         res = _try(cp.check)
@@ -201,8 +205,8 @@ def test_select_blocks_disagreement_poisons_ids_and_scores():
 
             def go():
                 i, v = cp.select_blocks(
-                    prob.rank_queries(cp.rank, cp.world_size), prob.index_cache, bt,
-                    prob.seq_lens, 0, 1, prob.width, topk=4, return_scores=True,
+                    prob.rank_queries(cp.rank, cp.world_size), prob.index_cache,
+                    cp.plan(bt, prob.seq_lens, width=prob.width), topk=4, return_scores=True,
                 )  # fmt: skip
                 kernel_copy(ids, i)
                 kernel_copy(vals, v)
@@ -224,7 +228,11 @@ def test_a_captured_call_replays_its_tag():
     def job(comm):
         with IndexCP(_cfg(), device=DEV, comm=comm) as cp:
             iq = prob.rank_queries(cp.rank, cp.world_size)
-            args = (iq, prob.index_cache, prob.block_table, prob.seq_lens, 0, 1, prob.width)
+            args = (
+                iq,
+                prob.index_cache,
+                cp.plan(prob.block_table, prob.seq_lens, width=prob.width),
+            )
             _call(cp, comm, prob, tag=5)  # warm-up outside capture
             graph = torch.cuda.CUDAGraph()
             views = []

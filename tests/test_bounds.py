@@ -222,7 +222,10 @@ def _one_rank_push(**over):
     def rank_fn(comm):
         cfg = CPIndexConfig(cache_format="fp8", num_heads=1, max_rows=4, max_width=16)
         with cpindex.IndexCP(cfg, device="cpu", comm=comm) as cp:
-            return cp.score_push(**args).clone()
+            names = ("init_blocks", "local_blocks", "width", "query_len")
+            counts = {k: args[k] for k in names if k in args}
+            plan = cp.plan(args["block_table"], args["seq_lens"], **counts)
+            return cp.score_push(args["iq"], args["index_cache"], plan).clone()
 
     return run_threads(1, rank_fn)
 
@@ -318,7 +321,8 @@ def test_nan_inputs_give_the_reference_over_the_collective_transport():
         cfg = CPIndexConfig(cache_format="fp8", max_rows=4, max_width=8, transport="collective")
         with cpindex.IndexCP(cfg, device="cpu", comm=comm) as cp:
             q = prob.rank_queries(comm.rank, 2)
-            return cp.score_push(q, prob.index_cache, prob.block_table, prob.seq_lens).clone()
+            plan = cp.plan(prob.block_table, prob.seq_lens)
+            return cp.score_push(q, prob.index_cache, plan).clone()
 
     for rank, got in enumerate(run_threads(2, rank_fn)):
         assert torch.equal(got, want[partition.heads_of_rank(rank, 4, 2)])

@@ -148,10 +148,11 @@ def _run_cases(rank: int, world: int, comm, names: list[str] | None = None) -> d
         iq = prob.rank_queries(rank, world)
         if case.two_dim:
             iq = iq[:, 0]
-        out = cp.score_push(
-            iq, prob.index_cache, prob.block_table, prob.seq_lens, case.init, case.local,
-            prob.width,
+        plan = cp.plan(
+            prob.block_table, prob.seq_lens, init_blocks=case.init, local_blocks=case.local,
+            width=prob.width,
         )  # fmt: skip
+        out = cp.score_push(iq, prob.index_cache, plan)
         outs[case.name] = out.clone()  # before the next call may overwrite it
     for cp in instances.values():
         cp.close()
@@ -169,15 +170,15 @@ def _api_check(rank: int, world: int) -> str:
         assert cpindex.get() is cp
         assert cp.transport_name == "collective"
         assert (cp.rank, cp.world_size, cp.heads_per_rank) == (0, 1, 4)
+        assert cpindex.init(cfg, device="cpu") is cp  # the same arguments: the same instance
         try:
-            cpindex.init(cfg, device="cpu")
+            cpindex.init(CPIndexConfig(max_rows=8, max_width=16), device="cpu")
         except cpindex.CPIndexError as e:
-            assert "init called twice" in str(e)
+            assert "called again with other arguments" in str(e), e
         else:
-            raise AssertionError("a second init did not raise")
-        out = cpindex.get().score_push(
-            prob.q, prob.index_cache, prob.block_table, prob.seq_lens, 1, 1, prob.width
-        )
+            raise AssertionError("init with other arguments did not raise")
+        plan = cp.plan(prob.block_table, prob.seq_lens, init_blocks=1, width=prob.width)
+        out = cpindex.get().score_push(prob.q, prob.index_cache, plan)
         want = reference.block_scores(
             prob.q, prob.index_cache, prob.block_table, prob.seq_lens,
             init_blocks=1, local_blocks=1, width=prob.width,
@@ -191,7 +192,7 @@ def _api_check(rank: int, world: int) -> str:
         else:
             raise AssertionError("get() after shutdown did not raise")
         try:
-            cp.score_push(prob.q, prob.index_cache, prob.block_table, prob.seq_lens)
+            cp.score_push(prob.q, prob.index_cache, plan)
         except cpindex.CPIndexError as e:
             assert "closed" in str(e)
         else:
@@ -314,7 +315,7 @@ def _narrow(comm) -> torch.Tensor:
     cfg = CPIndexConfig(cache_format="fp8", max_rows=MAX_ROWS, max_width=MAX_WIDTH)
     with cpindex.IndexCP(cfg, device="cpu", comm=comm) as cp:
         iq = prob.rank_queries(comm.rank, comm.world_size)
-        out = cp.score_push(iq, prob.index_cache, prob.block_table, prob.seq_lens, 0, 1, 1)
+        out = cp.score_push(iq, prob.index_cache, cp.plan(prob.block_table, prob.seq_lens, width=1))
         return out.clone()
 
 
@@ -334,7 +335,7 @@ def test_width_at_world_minus_one_ok():
         cfg = CPIndexConfig(max_rows=MAX_ROWS, max_width=MAX_WIDTH)
         with cpindex.IndexCP(cfg, device="cpu", comm=comm) as cp:
             iq = prob.rank_queries(comm.rank, comm.world_size)
-            out = cp.score_push(iq, prob.index_cache, prob.block_table, prob.seq_lens)
+            out = cp.score_push(iq, prob.index_cache, cp.plan(prob.block_table, prob.seq_lens))
             return out.clone()
 
     outs = run_threads(4, rank_fn)
@@ -362,7 +363,7 @@ def _bad_page(page: int):
         cfg = CPIndexConfig(cache_format="fp8", max_rows=MAX_ROWS, max_width=MAX_WIDTH)
         with cpindex.IndexCP(cfg, device="cpu", comm=comm) as cp:
             iq = prob.rank_queries(comm.rank, comm.world_size)
-            cp.score_push(iq, prob.index_cache, prob.block_table, prob.seq_lens)
+            cp.score_push(iq, prob.index_cache, cp.plan(prob.block_table, prob.seq_lens))
             cp.check()
 
     return rank_fn
@@ -395,7 +396,7 @@ def test_missing_peer_times_out_with_config_timeout():
         if comm.rank == 1:
             return None  # rank 1 never calls score_push
         iq = prob.rank_queries(comm.rank, comm.world_size)
-        cp.score_push(iq, prob.index_cache, prob.block_table, prob.seq_lens)
+        cp.score_push(iq, prob.index_cache, cp.plan(prob.block_table, prob.seq_lens))
         cp.check()
         return None
 

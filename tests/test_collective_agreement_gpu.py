@@ -87,7 +87,7 @@ def _disagree(comm: Comm, *, heads: int, error_check: str, what: str, op: str) -
             res["call"] = _outcome(cp.check)
             res["next"] = _outcome(lambda: cp.score_push(iq, p.index_cache, plan, tag=2))
         cp.reset()
-        good = cp.score_push(p.rank_queries(rank, w), p.index_cache, p.block_table, p.seq_lens)
+        good = cp.score_push(p.rank_queries(rank, w), p.index_cache, good_plan)
         torch.cuda.current_stream().synchronize()
         res["good"] = good.cpu()
     return res

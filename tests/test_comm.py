@@ -27,10 +27,8 @@ CALLS_BEFORE = 2  # rank 0 dies in call CALLS_BEFORE + 1, after calls that compl
 
 
 def _push(cp: cpindex.IndexCP, p: testing.Problem) -> torch.Tensor:
-    return cp.score_push(
-        p.rank_queries(cp.rank, cp.world_size), p.index_cache, p.block_table, p.seq_lens,
-        init_blocks=0, local_blocks=1, width=p.width, query_len=p.query_len,
-    )  # fmt: skip
+    plan = cp.plan(p.block_table, p.seq_lens, width=p.width, query_len=p.query_len)
+    return cp.score_push(p.rank_queries(cp.rank, cp.world_size), p.index_cache, plan)
 
 
 def _store_host_dies(rank: int, world: int, path: str) -> None:

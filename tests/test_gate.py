@@ -82,6 +82,15 @@ def _args(p: testing.Problem, case: Case, rank: int, world: int) -> tuple:
     )  # fmt: skip
 
 
+def _call(cp: IndexCP, args: tuple, op: str = "score_push", query_len: int = 1, **kw):
+    """``op`` on :func:`_args`' tuple, through a plan made for this call."""
+    iq, cache, table, lens, init, local, width = args
+    plan = cp.plan(
+        table, lens, query_len=query_len, init_blocks=init, local_blocks=local, width=width
+    )
+    return getattr(cp, op)(iq, cache, plan, **kw)
+
+
 def _rounds(cp: IndexCP) -> int:
     """Header rounds this group has taken so far (every context-parallel call takes one)."""
     return cp.comm.counters.get("call", 0)
@@ -100,8 +109,8 @@ def _expect(name: str, fn) -> str:
 
 
 def _calls(rank: int, world: int, group) -> dict:
-    """Every case, score_push and select_blocks, with a plan and positionally; outputs kept
-    with where they live and whether a header round ran."""
+    """Every case, score_push and select_blocks, with a plan reused and one made per call;
+    outputs kept with where they live and whether a header round ran."""
     out: dict[str, Any] = {}
     cps: dict[tuple[str, int], IndexCP] = {}
     for case in CASES:
@@ -122,9 +131,9 @@ def _calls(rank: int, world: int, group) -> dict:
         scores = cp.score_push(args[0], args[1], plan, tag=7)
         kept = scores.clone()  # the view is the next call's too
         after_push = _rounds(cp)
-        ids, vals = cp.select_blocks(*args, query_len=case.query_len, topk=TOPK, return_scores=True)
+        ids, vals = cp.select_blocks(args[0], args[1], plan, topk=TOPK, return_scores=True)
         after_select = _rounds(cp)
-        again = cp.score_push(*args, query_len=case.query_len)  # positional form
+        again = _call(cp, args, query_len=case.query_len)  # a plan made for the call
         out[case.name] = {
             "uses_cp": cp.uses_cp(plan),
             "uses_cp_sizes": cp.uses_cp((case.requests, case.width)),
@@ -154,14 +163,14 @@ def _lone(rank: int, world: int, group) -> dict:
         p, pb = SMALL.problem(), BIG.problem()
         if rank == 0:
             t0 = time.monotonic()
-            res["lone"] = cp.score_push(*_args(p, SMALL, rank, world)).clone()
+            res["lone"] = _call(cp, _args(p, SMALL, rank, world)).clone()
             res["lone_s"] = time.monotonic() - t0
             dist.barrier(group=group)
         else:
             dist.barrier(group=group)
             time.sleep(0.1)  # rank 0 is done and gone on meanwhile
-            res["lone"] = cp.score_push(*_args(p, SMALL, rank, world)).clone()
-        res["after"] = cp.score_push(*_args(pb, BIG, rank, world)).clone()
+            res["lone"] = _call(cp, _args(p, SMALL, rank, world)).clone()
+        res["after"] = _call(cp, _args(pb, BIG, rank, world)).clone()
     return res
 
 
@@ -175,23 +184,23 @@ def _refusals(rank: int, world: int, group) -> dict:
         args = _args(p, SMALL, rank, world)
         if rank == 0:
             bad = (args[0].float(), *args[1:])
-            res["bad_input"] = _expect("bad iq", lambda: cp.score_push(*bad))
+            res["bad_input"] = _expect("bad iq", lambda: _call(cp, bad))
             res["bad_plan"] = _expect(
                 "bad plan", lambda: cp.plan(p.block_table.long(), p.seq_lens, width=p.width)
             )
-        res["good"] = cp.score_push(*args).clone()
-        res["tags_below"] = _expect("tags", lambda: cp.score_push(*args, tag=100 + rank))
+        res["good"] = _call(cp, args).clone()
+        res["tags_below"] = _expect("tags", lambda: _call(cp, args, tag=100 + rank))
         bargs = _args(pb, BIG, rank, world)
-        res["after"] = cp.score_push(*bargs).clone()
-        res["tags_above"] = _expect("tags", lambda: cp.score_push(*bargs, tag=100 + rank))
+        res["after"] = _call(cp, bargs).clone()
+        res["tags_above"] = _expect("tags", lambda: _call(cp, bargs, tag=100 + rank))
         cp.reset()
         if rank == 0:  # a wider call on rank 0: both above the gate, other shapes
             wide = (*bargs[:-1], BIG.width + 1)
-            res["shapes_above"] = _expect("shapes", lambda: cp.score_push(*wide))
+            res["shapes_above"] = _expect("shapes", lambda: _call(cp, wide))
         else:
-            res["shapes_above"] = _expect("shapes", lambda: cp.score_push(*bargs))
+            res["shapes_above"] = _expect("shapes", lambda: _call(cp, bargs))
         cp.reset()
-        res["after_reset"] = cp.score_push(*bargs).clone()
+        res["after_reset"] = _call(cp, bargs).clone()
     return res
 
 
@@ -336,9 +345,9 @@ def test_one_rank_never_goes_context_parallel():
         for value in ("auto", 0):
             with IndexCP(_cfg(cp_min_blocks=value), device="cpu", comm=comm) as cp:
                 before = _rounds(cp)
-                got = cp.score_push(*_args(p, case, 0, 1), query_len=case.query_len).clone()
-                ids, vals = cp.select_blocks(
-                    *_args(p, case, 0, 1), query_len=case.query_len, topk=TOPK,
+                got = _call(cp, _args(p, case, 0, 1), query_len=case.query_len).clone()
+                ids, vals = _call(
+                    cp, _args(p, case, 0, 1), "select_blocks", case.query_len, topk=TOPK,
                     return_scores=True,
                 )  # fmt: skip
                 out[value] = (cp.cp_min_blocks, _rounds(cp) - before, got, ids.clone(), vals)

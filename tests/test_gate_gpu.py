@@ -93,21 +93,15 @@ def test_both_sides_equal_the_reference_and_the_cp_path(fmt, t):
                 )
             _settle(comm)  # every allocation done before the first push
             for (p, _), kept in zip(cases, keep, strict=True):
-                args = (
-                    p.rank_queries(r, W),
-                    p.index_cache,
-                    p.block_table,
-                    p.seq_lens,
-                    0,
-                    1,
-                    p.width,
-                )
+                q = p.rank_queries(r, W)
                 for name, cp in (("gated", gated), ("always", always)):
                     s_, i_, v_ = kept[name]
-                    scores = cp.score_push(*args, query_len=t)
+                    plan = cp.plan(p.block_table, p.seq_lens, query_len=t, width=p.width)
+                    args = (q, p.index_cache, plan)
+                    scores = cp.score_push(*args)
                     kernel_copy(s_, scores)
                     scores.fill_(float("nan"))  # the next call must write what it returns
-                    ids, vals = cp.select_blocks(*args, query_len=t, topk=TOPK, return_scores=True)
+                    ids, vals = cp.select_blocks(*args, topk=TOPK, return_scores=True)
                     kernel_copy(i_, ids)
                     kernel_copy(v_, vals)
                     ids.fill_(-7)
@@ -158,8 +152,8 @@ def test_below_the_gate_rank_0_calls_alone():
             after = torch.empty(hpr, big.rows, big.width, device=DEV)
             count = torch.empty(2, dtype=torch.int64, device=DEV)
             sargs = (
-                small.rank_queries(r, W), small.index_cache, small.block_table, small.seq_lens,
-                0, 1, small.width,
+                small.rank_queries(r, W), small.index_cache,
+                cp.plan(small.block_table, small.seq_lens, width=small.width),
             )  # fmt: skip
             _settle(comm)
 
@@ -179,8 +173,8 @@ def test_below_the_gate_rank_0_calls_alone():
                 alone()
             _settle(comm)
             bargs = (
-                big.rank_queries(r, W), big.index_cache, big.block_table, big.seq_lens, 0, 1,
-                big.width,
+                big.rank_queries(r, W), big.index_cache,
+                cp.plan(big.block_table, big.seq_lens, width=big.width),
             )  # fmt: skip
             kernel_copy(after, cp.score_push(*bargs))
             _settle(comm)
@@ -220,7 +214,7 @@ def test_a_bad_page_below_the_gate_is_that_ranks_own():
             table = bad_table if r == 1 else small.block_table
             q = small.rank_queries(r, W)
             _settle(comm)
-            cp.score_push(q, small.index_cache, table, small.seq_lens)
+            cp.score_push(q, small.index_cache, cp.plan(table, small.seq_lens))
             torch.cuda.current_stream().synchronize()
             try:
                 cp.check()
@@ -230,8 +224,8 @@ def test_a_bad_page_below_the_gate_is_that_ranks_own():
             cp.check()  # raised once: cleared
             comm.barrier()
             bargs = (
-                big.rank_queries(r, W), big.index_cache, big.block_table, big.seq_lens, 0, 1,
-                big.width,
+                big.rank_queries(r, W), big.index_cache,
+                cp.plan(big.block_table, big.seq_lens, width=big.width),
             )  # fmt: skip
             kernel_copy(after, cp.score_push(*bargs))
             _settle(comm)

@@ -9,6 +9,7 @@ anything is scored (the outputs stay poisoned)."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from collections.abc import Callable
 
@@ -52,14 +53,15 @@ def _on_instance(fn: Callable, fmt: str = "nvfp4", world: int = 1, **cfg) -> lis
     return run_threads(world, rank)
 
 
+def _plan(cp: IndexCP, p: testing.Problem) -> Plan:
+    return cp.plan(p.block_table, p.seq_lens, query_len=p.query_len, width=p.width)
+
+
 def _push(cp: IndexCP, p: testing.Problem, q=None, cache=None, plan=None) -> torch.Tensor:
+    """``cp.score_push`` on ``p`` with ``plan``, or a plan made for this call alone."""
     q = p.q if q is None else q
     cache = p.index_cache if cache is None else cache
-    if plan is not None:
-        return cp.score_push(q, cache, plan, tag=1).clone()
-    return cp.score_push(
-        q, cache, p.block_table, p.seq_lens, 0, 1, p.width, query_len=p.query_len, tag=1
-    ).clone()
+    return cp.score_push(q, cache, _plan(cp, p) if plan is None else plan, tag=1).clone()
 
 
 # ---- the caches themselves -------------------------------------------------------------------
@@ -148,8 +150,8 @@ def test_same_shapes_new_data_every_call(world):
     hpr = H // world
     for rank, results in enumerate(_on_instance(job, world=world)):
         heads = slice(rank * hpr, (rank + 1) * hpr)
-        for p, (positional, planned, ids) in zip(probs, results, strict=True):
-            assert torch.equal(positional, _want(p)[heads])
+        for p, (fresh, planned, ids) in zip(probs, results, strict=True):
+            assert torch.equal(fresh, _want(p)[heads])
             assert torch.equal(planned, _want(p)[heads])
             assert torch.equal(ids, _top(p)[heads])
 
@@ -212,13 +214,11 @@ def test_one_address_other_metadata():
         out.append(_push(cp, p, at_start(p.q), cache.view(pages, 128, 72)))  # the 3-D form
         with pytest.raises(ValueError, match="iq: expected a contiguous"):
             strided = qbuf.as_strided((REQ * T, H, 128), (2 * H * 128, 128, 1))
-            cp.score_push(strided, cache, p.block_table, p.seq_lens, 0, 1, W, query_len=T)
+            cp.score_push(strided, cache, _plan(cp, p))
         with pytest.raises(TypeError, match="index_cache"):
-            cp.score_push(p.q, cache.view(torch.float8_e4m3fn), p.block_table, p.seq_lens, 0, 1,
-                          W, query_len=T)  # fmt: skip
-        with pytest.raises(ValueError, match="block_table"):  # the table's rows as one row
-            flat = p.block_table.view(1, -1)
-            cp.score_push(p.q, cache, flat, p.seq_lens, 0, 1, W, query_len=T)
+            cp.score_push(p.q, cache.view(torch.float8_e4m3fn), _plan(cp, p))
+        with pytest.raises(ValueError, match="seq_lens"):  # the table's rows as one row
+            cp.plan(p.block_table.view(1, -1), p.seq_lens, query_len=T, width=W)
         out.append(_push(cp, p))
         return out
 
@@ -231,15 +231,14 @@ def test_returned_views_are_fresh_aliases():
     p = _problem(40)
 
     def job(cp, comm):
-        a = cp.score_push(p.q, p.index_cache, p.block_table, p.seq_lens, 0, 1, W, query_len=T)
-        ids, scores = cp.select_blocks(p.q, p.index_cache, p.block_table, p.seq_lens, 0, 1, W,
-                                       query_len=T, topk=4, return_scores=True)  # fmt: skip
+        plan = _plan(cp, p)
+        a = cp.score_push(p.q, p.index_cache, plan)
+        ids, scores = cp.select_blocks(p.q, p.index_cache, plan, topk=4, return_scores=True)
         a.unsqueeze_(0)  # the caller changes what it got, in place
         ids.transpose_(0, 1)
         scores.resize_(1)
-        b = cp.score_push(p.q, p.index_cache, p.block_table, p.seq_lens, 0, 1, W, query_len=T)
-        ids2, scores2 = cp.select_blocks(p.q, p.index_cache, p.block_table, p.seq_lens, 0, 1, W,
-                                         query_len=T, topk=4, return_scores=True)  # fmt: skip
+        b = cp.score_push(p.q, p.index_cache, plan)
+        ids2, scores2 = cp.select_blocks(p.q, p.index_cache, plan, topk=4, return_scores=True)
         assert b.data_ptr() == a.data_ptr() and b is not a  # a view of the same buffer
         return b.clone(), b.shape, ids2.clone(), scores2.shape
 
@@ -320,7 +319,7 @@ BAD: list[tuple[str, Callable[[dict], None], type, str]] = [
     ("width bool", lambda a: a.update(width=True), TypeError, "width"),
     ("width too small", lambda a: a.update(width=3), ValueError, "width"),
     ("width past max", lambda a: a.update(width=17), ValueError, "width"),
-    ("query_len", lambda a: a.update(query_len=4), ValueError, "iq: rows must|seq_lens"),
+    ("query_len", lambda a: a.update(query_len=4), ValueError, "iq: expected 12 rows|seq_lens"),
     ("query_len bool", lambda a: a.update(query_len=True), TypeError, "query_len"),
     ("tag bool", lambda a: a.update(tag=True), TypeError, "tag"),
     ("tag negative", lambda a: a.update(tag=-1), ValueError, "tag"),
@@ -347,35 +346,31 @@ def _args(p: testing.Problem) -> dict:
     )  # fmt: skip
 
 
-def _call(cp: IndexCP, op: Callable, args: dict, form: str) -> object:
-    """``op`` with ``args``, in the positional form or through a plan made of them."""
-    if form == "positional":
-        return op(**args)
-    plan = cp.plan(
+def _call(cp: IndexCP, op: Callable, args: dict, plan: Plan | None = None) -> object:
+    """``op`` with ``args``: through ``plan``, or a plan made of them for this call."""
+    plan = plan or cp.plan(
         args["block_table"], args["seq_lens"], init_blocks=args["init_blocks"],
         local_blocks=args["local_blocks"], width=args["width"], query_len=args["query_len"],
     )  # fmt: skip
     return op(args["iq"], args["index_cache"], plan, tag=args["tag"])
 
 
-@pytest.mark.parametrize("form", ["positional", "plan"])
 @pytest.mark.parametrize("bad", BAD, ids=[b[0] for b in BAD])
-def test_a_warm_cache_skips_no_check(bad, form):
+def test_a_warm_cache_skips_no_check(bad):
     _, edit, error, match = bad
     p = _problem(50)
 
     def job(cp, comm):
         args = _args(p)
         for _ in range(2):  # warm every cache with the same tensors, valid
-            for f in ("positional", "plan"):
-                _call(cp, cp.score_push, args, f)
-                _call(cp, cp.select_blocks, args, f)
+            _call(cp, cp.score_push, args)
+            _call(cp, cp.select_blocks, args)
         poisoned = cp._transport.scores_out(REQ * T, W)
         poisoned.fill_(float("nan"))
         edit(args)
         for op in (cp.score_push, cp.select_blocks):
             with pytest.raises(error, match=match):
-                _call(cp, op, args, form)
+                _call(cp, op, args)
         assert poisoned.isnan().all(), "something was scored before the check"
         return True
 
@@ -388,8 +383,8 @@ def test_a_warm_plan_form_checks_the_plan():
     def job(cp, comm):
         plan = cp.plan(p.block_table, p.seq_lens, query_len=T, width=W)
         cp.score_push(p.q, p.index_cache, plan)
-        with pytest.raises(TypeError, match="plan: pass either"):
-            cp.score_push(p.q, p.index_cache, plan, p.seq_lens)
+        with pytest.raises(ValueError, match=f"plan: changed since plan.. checked it .width {W} "):
+            cp.score_push(p.q, p.index_cache, dataclasses.replace(plan, width=W + 1))
         foreign = CPIndexConfig(cache_format="nvfp4", **{**CFG, "max_rows": 12})
         other = testing.make_problem(REQ, MAX_LEN, "nvfp4", query_len=T, width=W).block_table
         with pytest.raises(ValueError, match="plan: made by"):

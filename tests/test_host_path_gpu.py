@@ -89,19 +89,19 @@ def _check(p: testing.Problem, scores: torch.Tensor, ids: torch.Tensor, q=None, 
 
 
 def _both_forms(cp: IndexCP, p: testing.Problem, q=None, cache=None, plan=None) -> list:
-    """score_push and select_blocks, positional and with a plan, each on poisoned outputs;
-    copies of what they returned."""
+    """score_push and select_blocks, with ``plan`` (default: one made here) and with a plan
+    made for the call, each on poisoned outputs; copies of what they returned."""
     q = p.q if q is None else q
     cache = p.index_cache if cache is None else cache
     if plan is None:
         plan = cp.plan(p.block_table, p.seq_lens, query_len=T, width=W)
     out = []
-    for args in ((q, cache, plan), (q, cache, p.block_table, p.seq_lens, 0, 1, W)):
-        kw = {} if len(args) == 3 else {"query_len": T}
+    for fresh in (False, True):
         _poison(cp, p.rows)
-        scores = cp.score_push(*args, tag=2, **kw).clone()
+        pl = cp.plan(p.block_table, p.seq_lens, query_len=T, width=W) if fresh else plan
+        scores = cp.score_push(q, cache, pl, tag=2).clone()
         _poison(cp, p.rows)
-        ids = cp.select_blocks(*args, topk=TOPK, tag=2, **kw).clone()
+        ids = cp.select_blocks(q, cache, pl, topk=TOPK, tag=2).clone()
         out.append((scores, ids))
     return out
 
@@ -181,7 +181,8 @@ def test_a_cache_shrunk_in_place_is_read_with_its_new_page_count(path):
         cache.set_(cache.untyped_storage(), 0, (last, cache.shape[1]), cache.stride())
         try:
             with pytest.raises(BadBlockTableError):
-                cp.score_push(p.q, cache, p.block_table, p.seq_lens, 0, 1, W, query_len=T)
+                plan = cp.plan(p.block_table, p.seq_lens, query_len=T, width=W)
+                cp.score_push(p.q, cache, plan)
         finally:
             cache.set_(cache.untyped_storage(), 0, (keep, cache.shape[1]), cache.stride())
         return True
@@ -193,9 +194,10 @@ def test_returned_views_are_fresh_aliases():
     p = _problem("nvfp4", 50)
 
     def job(cp):
-        a = cp.score_push(p.q, p.index_cache, p.block_table, p.seq_lens, 0, 1, W, query_len=T)
+        plan = cp.plan(p.block_table, p.seq_lens, query_len=T, width=W)
+        a = cp.score_push(p.q, p.index_cache, plan)
         a.unsqueeze_(0)  # the caller reshapes what it got, in place
-        b = cp.score_push(p.q, p.index_cache, p.block_table, p.seq_lens, 0, 1, W, query_len=T)
+        b = cp.score_push(p.q, p.index_cache, plan)
         assert b.shape == (4, p.rows, W) and b.data_ptr() == a.data_ptr()
         return b.clone()
 
@@ -219,7 +221,7 @@ BAD: list[tuple[str, Callable[[dict], None], type, str]] = [
         ValueError,
         "iq: expected a contiguous",
     ),
-    ("iq rows", lambda a: a.update(iq=a["iq"][:-1]), ValueError, "iq: rows must"),
+    ("iq rows", lambda a: a.update(iq=a["iq"][:-1]), ValueError, "iq: expected"),
     (
         "cache misaligned",
         lambda a: a.update(index_cache=_offset(a["index_cache"], 8)),
@@ -261,9 +263,13 @@ def test_a_warm_cache_skips_no_check(bad, path):
         edit(args)
         torch.cuda.synchronize()
         _poison(cp, p.rows)
+        counts = ("init_blocks", "local_blocks", "width", "query_len")
         for op in (cp.score_push, cp.select_blocks):
             with pytest.raises(error, match=match):
-                op(**args)
+                plan = cp.plan(
+                    args["block_table"], args["seq_lens"], **{k: args[k] for k in counts}
+                )
+                op(args["iq"], args["index_cache"], plan, tag=args["tag"])
         torch.cuda.synchronize()
         assert cp._transport.scores_out(p.rows, W).isnan().all(), "launched before the check"
         assert (cp._transport.selected_out(p.rows, TOPK)[0] == -1).all()

@@ -82,7 +82,9 @@ def _push(cp: cpindex.IndexCP, prob: testing.Problem | None = None, **over: Any)
         query_len=p.query_len,
     )
     args.update(over)
-    return cp.score_push(**args)
+    counts = ("query_len", "init_blocks", "local_blocks", "width")
+    plan = cp.plan(args["block_table"], args["seq_lens"], **{k: args[k] for k in counts})
+    return cp.score_push(args["iq"], args["index_cache"], plan, tag=args.get("tag"))
 
 
 def _want(rank: int, world: int, prob: testing.Problem | None = None) -> torch.Tensor:

@@ -72,6 +72,13 @@ def _args(cp: IndexCP, prob: testing.Problem, **over: Any) -> dict[str, Any]:
     return args
 
 
+def _push(cp: IndexCP, **a: Any) -> torch.Tensor:
+    """``cp.score_push`` on :func:`_args`' arguments, through a plan made for the call."""
+    counts = ("init_blocks", "local_blocks", "width", "query_len")
+    plan = cp.plan(a["block_table"], a["seq_lens"], **{k: a[k] for k in counts})
+    return cp.score_push(a["iq"], a["index_cache"], plan, tag=a.get("tag"))
+
+
 def _settle(comm: Comm) -> None:
     """Nothing of this rank in flight, and every rank here: safe to allocate and check."""
     torch.cuda.current_stream().synchronize()  # releases the GIL
@@ -92,7 +99,7 @@ def _try(fn) -> dict[str, Any]:
 
 def _call_and_check(cp: IndexCP, comm: Comm, **args: Any) -> dict[str, Any]:
     """One call, then (after every rank settled) what it raised, at once or from check()."""
-    res = _try(lambda: cp.score_push(**args))
+    res = _try(lambda: _push(cp, **args))
     _settle(comm)
     if res["type"] is None:
         res = _try(cp.check)
@@ -104,7 +111,7 @@ def _good(cp: IndexCP, comm: Comm) -> torch.Tensor:
     p = _p()
     out = torch.empty(cp.heads_per_rank, p.rows, p.width, device=DEV)
     _settle(comm)
-    kernel_copy(out, cp.score_push(**_args(cp, p)))
+    kernel_copy(out, _push(cp, **_args(cp, p)))
     _settle(comm)
     return out
 
@@ -143,7 +150,7 @@ def test_refused_input_times_out_the_peer_and_reset_recovers():
         with IndexCP(_cfg(), device=DEV, comm=comm) as cp:
             width = 33 if comm.rank == 1 else _p().width  # past max_width on rank 1
             first = _call_and_check(cp, comm, **_args(cp, _p(), width=width))
-            then = _try(lambda: cp.score_push(**_args(cp, _p())))
+            then = _try(lambda: _push(cp, **_args(cp, _p())))
             _settle(comm)
             cp.reset()
             return first, then, _good(cp, comm)
@@ -224,10 +231,10 @@ def test_late_peer_times_out_refuses_calls_and_recovers():
             args = _args(cp, _p())
             if comm.rank == 1:
                 time.sleep(3 * TIMEOUT)  # rank 0's kernel gives up meanwhile
-            first = _try(lambda: cp.score_push(**args))
+            first = _try(lambda: _push(cp, **args))
             torch.cuda.current_stream().synchronize()
             checked = _try(cp.check)
-            then = _try(lambda: cp.score_push(**args))
+            then = _try(lambda: _push(cp, **args))
             _settle(comm)
             cp.reset()
             return first, checked, then, _good(cp, comm)
@@ -283,7 +290,7 @@ def test_sync_error_check_raises_in_the_failing_call():
     def job(comm):
         with IndexCP(_cfg(error_check="sync"), device=DEV, comm=comm) as cp:
             over = {"init_blocks": 1} if comm.rank == 1 else {}
-            res = _try(lambda: cp.score_push(**_args(cp, _p(), **over)))
+            res = _try(lambda: _push(cp, **_args(cp, _p(), **over)))
             _settle(comm)
             cp.reset()
             return res, _good(cp, comm)
@@ -326,7 +333,7 @@ def test_nan_inputs_score_like_the_reference():
         with IndexCP(_cfg(), device=DEV, comm=comm) as cp:
             out = torch.empty(cp.heads_per_rank, prob.rows, prob.width, device=DEV)
             _settle(comm)
-            kernel_copy(out, cp.score_push(**_args(cp, prob)))
+            kernel_copy(out, _push(cp, **_args(cp, prob)))
             _settle(comm)
             return out
 

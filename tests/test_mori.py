@@ -493,9 +493,8 @@ def _score_once(cp, rank: int, world: int, fmt: str, seed: int) -> None:
     dev = cp.device
     prob = testing.make_problem(5, 40 * 128, fmt, seed=seed, device=dev)
     want = for_rank(expected(prob, 0, 1, cp.config.sm_scale), rank, world)
-    out = cp.score_push(
-        prob.rank_queries(rank, world), prob.index_cache, prob.block_table, prob.seq_lens, 0, 1
-    )
+    plan = cp.plan(prob.block_table, prob.seq_lens)
+    out = cp.score_push(prob.rank_queries(rank, world), prob.index_cache, plan)
     torch.cuda.synchronize(dev)
     cp.check()
     assert_scores(out, want)

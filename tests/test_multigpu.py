@@ -37,15 +37,8 @@ def _suite(rank: int, world: int, path: str) -> None:
             )
             with IndexCP(cfg, device=dev) as cp:
                 assert cp.transport_name == t
-                got = cp.score_push(
-                    p.rank_queries(rank, world),
-                    p.index_cache,
-                    p.block_table,
-                    p.seq_lens,
-                    0,
-                    1,
-                    p.width,
-                ).clone()
+                plan = cp.plan(p.block_table, p.seq_lens, width=p.width)
+                got = cp.score_push(p.rank_queries(rank, world), p.index_cache, plan).clone()
                 torch.cuda.synchronize()
                 assert_scores(got, for_rank(expected(p, 0, 1), rank, world))
                 outs[(t, id(p))] = got
@@ -60,12 +53,13 @@ def _suite(rank: int, world: int, path: str) -> None:
     ) as cp:
         q = p.rank_queries(rank, world).clone()
         args = (p.index_cache, p.block_table, p.seq_lens, 0, 1, p.width)
-        cp.score_push(q, *args)
+        plan = cp.plan(p.block_table, p.seq_lens, width=p.width)
+        cp.score_push(q, p.index_cache, plan)
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            a = cp.score_push(q, *args).clone()
-            b = cp.score_push(q, *args).clone()
+            a = cp.score_push(q, p.index_cache, plan).clone()
+            b = cp.score_push(q, p.index_cache, plan).clone()
         for i in range(200):
             new = testing.make_problem(p.rows, 60_000, "nvfp4", seed=500 + i % 4, device=dev)
             q.copy_(new.rank_queries(rank, world))
@@ -83,9 +77,9 @@ def _suite(rank: int, world: int, path: str) -> None:
     with IndexCP(cfg, device=dev) as cp:
         p = probs[1]
         q = p.rank_queries(rank, world)
-        args = (p.index_cache, p.block_table, p.seq_lens, 0, 1, p.width)
+        plan = cp.plan(p.block_table, p.seq_lens, width=p.width)
         if rank != world - 1:
-            cp.score_push(q, *args)
+            cp.score_push(q, p.index_cache, plan)
         torch.cuda.synchronize()
         try:
             cp.check()
@@ -93,7 +87,7 @@ def _suite(rank: int, world: int, path: str) -> None:
         except PeerTimeoutError as e:
             report["timeout"] = [e.peer, e.phase]
         cp.reset()
-        got = cp.score_push(q, *args).clone()
+        got = cp.score_push(q, p.index_cache, plan).clone()
         torch.cuda.synchronize()
         assert_scores(got, for_rank(expected(p, 0, 1), rank, world))
     with open(f"{path}/rank{rank}.json", "w") as f:

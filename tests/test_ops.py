@@ -32,16 +32,16 @@ def test_score_push_op_compiles_in_a_world():
     def rank_fn(comm):
         cfg = CPIndexConfig(cache_format="fp8", max_rows=4, max_width=8)
         with IndexCP(cfg, device="cpu", comm=comm) as cp:
-            h = ops.handle(cp)
             iq = prob.rank_queries(comm.rank, comm.world_size)
+            plan = cp.plan(prob.block_table, prob.seq_lens, width=8)
+            h, ph = ops.handle(cp), ops.plan_handle(plan)
 
             @torch.compile(fullgraph=True, backend="aot_eager")
             def f(iq, cache, bt, sl):
-                return torch.ops.cpindex.score_push(h, iq, cache, None, bt, sl, 0, 1, 8) * 1
+                return torch.ops.cpindex.score_push(h, iq, cache, None, ph, bt, sl, 8) * 1
 
             got = f(iq, prob.index_cache, prob.block_table, prob.seq_lens)
-            eager = ops.score_push(cp, iq, prob.index_cache, prob.block_table, prob.seq_lens,
-                                   width=8)  # fmt: skip
+            eager = ops.score_push(cp, iq, prob.index_cache, plan)
             return got, eager
 
     full = reference.block_scores(prob.q, prob.index_cache, prob.block_table, prob.seq_lens,
@@ -63,21 +63,31 @@ def test_ops_take_a_plan_and_a_tag():
 
             @torch.compile(fullgraph=True, backend="aot_eager")
             def f(iq, cache, bt, sl, tag):
-                return torch.ops.cpindex.score_push(h, iq, cache, None, bt, sl, 0, 1, 8, 1, tag, ph)
+                return torch.ops.cpindex.score_push(h, iq, cache, None, ph, bt, sl, 8, tag)
 
             compiled = f(iq, prob.index_cache, prob.block_table, prob.seq_lens, 7)
             eager = ops.score_push(cp, iq, prob.index_cache, plan, tag=8)
             ids, _ = ops.select_blocks(cp, iq, prob.index_cache, plan, topk=4, tag=9)
-            return compiled, eager, ids
+            # tensors or width other than the plan's: refused (before anything is exchanged,
+            # on every rank alike here, so the instance stays usable)
+            errors = []
+            for args in ((prob.block_table.clone(), prob.seq_lens, 8),
+                         (prob.block_table, prob.seq_lens, 7)):  # fmt: skip
+                try:
+                    torch.ops.cpindex.score_push(h, iq, prob.index_cache, None, ph, *args)
+                except ValueError as e:
+                    errors.append(str(e))
+            return compiled, eager, ids, errors
 
     full = reference.block_scores(prob.q, prob.index_cache, prob.block_table, prob.seq_lens,
                                   init_blocks=0, local_blocks=1, width=8)  # fmt: skip
     top = reference.select_blocks(prob.q, prob.index_cache, prob.block_table, prob.seq_lens,
                                   init_blocks=0, local_blocks=1, width=8, topk=4)  # fmt: skip
-    for rank, (compiled, eager, ids) in enumerate(run_threads(2, rank_fn)):
+    for rank, (compiled, eager, ids, errors) in enumerate(run_threads(2, rank_fn)):
         heads = slice(2 * rank, 2 * rank + 2)
         assert torch.equal(compiled, full[heads]) and torch.equal(eager, full[heads])
         assert torch.equal(ids, top[heads])
+        assert len(errors) == 2 and all(e.startswith("plan: block_table, seq_lens") for e in errors)
 
 
 # ---- ops.block_scores' eager path: the op's kernel called directly only where the dispatcher

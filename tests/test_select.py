@@ -22,7 +22,6 @@ import cpindex
 from cpindex import ops, partition, reference, selection, testing
 from cpindex.config import CPIndexConfig
 from cpindex.transports.base import Transport
-from cpindex.validation import check_call
 from cpindex.world import run_threads
 
 MAX_REQUESTS, MAX_T, MAX_WIDTH, MAX_TOPK = 5, 4, 68, 64  # MAX_WIDTH > MAX_TOPK: a cut
@@ -161,18 +160,18 @@ def _run_cases(rank: int, world: int, comm) -> dict:
         iq = prob.rank_queries(rank, world)
         if case.two_dim:
             iq = iq[:, 0]
-        args = (iq, prob.index_cache, prob.block_table, prob.seq_lens, case.init, case.local)
-        kw = dict(query_len=case.query_len, topk=case.topk)
+        plan = cp.plan(
+            prob.block_table, prob.seq_lens, query_len=case.query_len, init_blocks=case.init,
+            local_blocks=case.local, width=prob.width,
+        )  # fmt: skip
+        args = (iq, prob.index_cache, plan)
         _poison(cp)
-        ids, scores = cp.select_blocks(*args, prob.width, return_scores=True, **kw)
+        ids, scores = cp.select_blocks(*args, topk=case.topk, return_scores=True)
         res = {"ids": ids.clone(), "scores": scores.clone()}
         if case.name.startswith("ties/"):  # the ids-only return, on a few cases
-            res["plain"] = cp.select_blocks(*args, prob.width, **kw).clone()
+            res["plain"] = cp.select_blocks(*args, topk=case.topk).clone()
         _poison(cp)
-        call = check_call(
-            cp.config, cp.heads_per_rank, cp.device, iq, prob.index_cache, prob.block_table,
-            prob.seq_lens, case.init, case.local, prob.width, case.query_len,
-        )  # fmt: skip
+        call = cp._runner.checker.planned(*args)  # the validated call, for the default path
         ids, scores = Transport.select_blocks(cp._transport, call, case.topk)
         res["default_ids"], res["default_scores"] = ids.clone(), scores.clone()
         res["bytes"] = cp.exchange_bytes(prob.rows, prob.width, case.topk)
@@ -272,7 +271,7 @@ def test_topk_and_return_scores_are_validated():
     def fn(comm):
         cfg = CPIndexConfig(cache_format="fp8", max_rows=4, max_width=8, max_topk=20)
         with cpindex.IndexCP(cfg, device="cpu", comm=comm) as cp:
-            args = (prob.q, prob.index_cache, prob.block_table, prob.seq_lens)
+            args = (prob.q, prob.index_cache, cp.plan(prob.block_table, prob.seq_lens))
             errors = []
             for kw in ({"topk": 0}, {"topk": 21}, {"topk": 2.0}, {"topk": True},
                        {"return_scores": 1}):  # fmt: skip
@@ -302,9 +301,12 @@ def test_select_blocks_on_a_closed_instance_raises():
     def fn(comm):
         cfg = CPIndexConfig(cache_format="fp8", max_rows=4, max_width=8)
         cp = cpindex.IndexCP(cfg, device="cpu", comm=comm)
+        plan = cp.plan(prob.block_table, prob.seq_lens)
         cp.close()
         with pytest.raises(cpindex.CPIndexError, match="closed"):
-            cp.select_blocks(prob.q, prob.index_cache, prob.block_table, prob.seq_lens)
+            cp.select_blocks(prob.q, prob.index_cache, plan)
+        with pytest.raises(cpindex.CPIndexError, match="closed"):
+            cp.plan(prob.block_table, prob.seq_lens)
         return True
 
     assert _one_rank(fn)
@@ -317,21 +319,19 @@ def test_select_blocks_op_compiles_in_a_world():
     def rank_fn(comm):
         cfg = CPIndexConfig(max_rows=8, max_width=width)
         with cpindex.IndexCP(cfg, device="cpu", comm=comm) as cp:
-            h = ops.handle(cp)
+            plan = cp.plan(prob.block_table, prob.seq_lens, query_len=2, init_blocks=1, width=width)
+            h, ph = ops.handle(cp), ops.plan_handle(plan)
             iq = prob.rank_queries(comm.rank, comm.world_size)
 
             @torch.compile(fullgraph=True, backend="aot_eager")
             def f(iq, cache, bt, sl):
                 ids, scores = torch.ops.cpindex.select_blocks(
-                    h, iq, cache, None, bt, sl, 1, 1, width, 2, 5
+                    h, iq, cache, None, ph, bt, sl, width, 5
                 )
                 return ids + 0, scores * 1
 
             got = f(iq, prob.index_cache, prob.block_table, prob.seq_lens)
-            eager = ops.select_blocks(
-                cp, iq, prob.index_cache, prob.block_table, prob.seq_lens, 1, 1,
-                query_len=2, topk=5,
-            )  # fmt: skip
+            eager = ops.select_blocks(cp, iq, prob.index_cache, plan, topk=5)
             return got, eager
 
     want = reference.select_blocks(

@@ -69,12 +69,16 @@ def test_fused_selection_matches_scores_and_reference(fmt, world, t, wg, topk, m
         full = [torch.empty(hpr, p.rows, p.width, device=DEV) for p in probs]
         comm.barrier()
         for p, q, i_, v_, f_ in zip(probs, qs, ids, vals, full, strict=True):
-            args = (q, p.index_cache, p.block_table, p.seq_lens, 0, 1, p.width)
-            got_ids, got_vals = cp.select_blocks(*args, query_len=t, topk=topk, return_scores=True)
+            args = (
+                q,
+                p.index_cache,
+                cp.plan(p.block_table, p.seq_lens, query_len=t, width=p.width),
+            )
+            got_ids, got_vals = cp.select_blocks(*args, topk=topk, return_scores=True)
             kernel_copy(i_, got_ids)
             kernel_copy(v_, got_vals)
             got_ids.fill_(-7)  # poison: the next call must write every slot it returns
-            kernel_copy(f_, cp.score_push(*args, query_len=t))
+            kernel_copy(f_, cp.score_push(*args))
         torch.cuda.current_stream().synchronize()
         comm.barrier()  # no push in flight anywhere: torch ops may allocate now
         return cp.exchange_bytes(probs[0].rows, probs[0].width, topk), ids, vals, full

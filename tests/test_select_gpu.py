@@ -81,13 +81,14 @@ def test_transports_agree_and_match_the_scores_selection(fmt, world, t, heads, t
         ]
         comm.barrier()  # every rank's allocations done before the first push
         for p, q, (ids, vals, full) in zip(probs, qs, keep, strict=True):
-            args = (q, p.index_cache, p.block_table, p.seq_lens, 1, 1, p.width)
-            got_ids, got_vals = cp.select_blocks(*args, query_len=t, topk=topk, return_scores=True)
+            plan = cp.plan(p.block_table, p.seq_lens, query_len=t, init_blocks=1, width=p.width)
+            args = (q, p.index_cache, plan)
+            got_ids, got_vals = cp.select_blocks(*args, topk=topk, return_scores=True)
             kernel_copy(ids, got_ids)
             kernel_copy(vals, got_vals)
             got_ids.fill_(-7)
             got_vals.fill_(float("nan"))
-            kernel_copy(full, cp.score_push(*args, query_len=t))
+            kernel_copy(full, cp.score_push(*args))
         torch.cuda.current_stream().synchronize()
         comm.barrier()  # no push in flight anywhere: allocations are safe now
         return [tuple(x.cpu() for x in k) for k in keep]
@@ -139,13 +140,15 @@ def test_10k_graph_replays_batches_shrink_and_grow(topk):
     def job(cp, comm):
         r = comm.rank
         st = [(p.rank_queries(r, world).clone(), p.seq_lens.clone()) for p in base]
+        # one plan per shape over the captured tensors (lengths refilled in place)
+        plans = [
+            cp.plan(p.block_table, sl, query_len=t, width=p.width)
+            for (_, sl), p in zip(st, base, strict=True)
+        ]
 
         def call(g: int):
-            (q, sl), p = st[g], base[g]
-            return cp.select_blocks(
-                q, p.index_cache, p.block_table, sl, 0, 1, p.width, query_len=t, topk=topk,
-                return_scores=True,
-            )  # fmt: skip
+            q, p = st[g][0], base[g]
+            return cp.select_blocks(q, p.index_cache, plans[g], topk=topk, return_scores=True)
 
         hpr = st[0][0].shape[1]
         want = [

@@ -85,9 +85,8 @@ def test_ipc_matches_collective_and_reference(fmt, world, t, inst, monkeypatch):
         ]
         comm.barrier()  # every rank's allocations done before the first push
         for p, q, keep in zip(probs, qs, outs, strict=True):
-            out = cp.score_push(
-                q, p.index_cache, p.block_table, p.seq_lens, 0, 1, p.width, query_len=t
-            )
+            plan = cp.plan(p.block_table, p.seq_lens, query_len=t, width=p.width)
+            out = cp.score_push(q, p.index_cache, plan)
             kernel_copy(keep, out)
             out.fill_(float("nan"))  # poison: the next call must rewrite everything it returns
         return cp.transport_name, outs
@@ -114,7 +113,8 @@ def test_replicated_heads_and_pair_layout():
         outs = [torch.empty(1, p.rows, p.width, device=DEV) for p in probs]
         comm.barrier()
         for p, q, keep in zip(probs, qs, outs, strict=True):
-            out = cp.score_push(q, p.index_cache, p.block_table, p.seq_lens, 0, 1, p.width)
+            plan = cp.plan(p.block_table, p.seq_lens, width=p.width)
+            out = cp.score_push(q, p.index_cache, plan)
             kernel_copy(keep, out)
         return outs
 
@@ -138,7 +138,7 @@ def test_many_consecutive_calls_stay_correct():
 
     def job(cp, comm):
         qs = [p.rank_queries(comm.rank, 4) for p in probs]
-        args = [(p.index_cache, p.block_table, p.seq_lens, 0, 1, p.width) for p in probs]
+        args = [(p.index_cache, cp.plan(p.block_table, p.seq_lens, width=p.width)) for p in probs]
         first = [torch.empty(1, p.rows, p.width, device=DEV) for p in probs]
         # Only elementwise ops with preallocated outputs in the loop: a large reduction (sum,
         # any) memsets its semaphores, which implicitly synchronizes the device (design.md).
@@ -201,8 +201,10 @@ def test_graph_capture_replays_handshake():
         st = [
             (p.rank_queries(r, 4).clone(), p.block_table.clone(), p.seq_lens.clone()) for p in base
         ]
-        for (q, bt, sl), p in zip(st, base, strict=True):  # warm up outside capture
-            cp.score_push(q, p.index_cache, bt, sl, 0, 1, p.width)
+        # one plan per shape over the captured tensors (refilled in place before each replay)
+        plans = [cp.plan(bt, sl, width=p.width) for (_, bt, sl), p in zip(st, base, strict=True)]
+        for (q, _, _), p, plan in zip(st, base, plans, strict=True):  # warm up outside capture
+            cp.score_push(q, p.index_cache, plan)
         torch.cuda.current_stream().synchronize()
         comm.barrier()
         g = torch.cuda.CUDAGraph()
@@ -210,8 +212,8 @@ def test_graph_capture_replays_handshake():
 
         def capture():  # one rank at a time: concurrent captures from threads fail
             with torch.cuda.graph(g, capture_error_mode="thread_local"):
-                for (q, bt, sl), p in zip(st, base, strict=True):
-                    outs.append(cp.score_push(q, p.index_cache, bt, sl, 0, 1, p.width).clone())
+                for (q, _, _), p, plan in zip(st, base, plans, strict=True):
+                    outs.append(cp.score_push(q, p.index_cache, plan).clone())
 
         in_turn(comm, capture)
         for i in range(replays):
@@ -240,7 +242,7 @@ def test_late_peer_times_out_names_it_and_recovers():
     def job(cp, comm):
         p = probs[0]
         q = p.rank_queries(comm.rank, 4)
-        args = (p.index_cache, p.block_table, p.seq_lens, 0, 1, p.width)
+        args = (p.index_cache, cp.plan(p.block_table, p.seq_lens, width=p.width))
         cp.score_push(q, *args)
         torch.cuda.current_stream().synchronize()
         comm.barrier()
@@ -280,7 +282,7 @@ def test_ranks_pairing_different_calls_all_raise():
         p = probs[0]
         q = p.rank_queries(comm.rank, 4)
         width = p.width + (1 if comm.rank == 2 else 0)
-        cp.score_push(q, p.index_cache, p.block_table, p.seq_lens, 0, 1, width)
+        cp.score_push(q, p.index_cache, cp.plan(p.block_table, p.seq_lens, width=width))
         torch.cuda.current_stream().synchronize()
         comm.barrier()
         err = None
@@ -290,7 +292,8 @@ def test_ranks_pairing_different_calls_all_raise():
             err = str(e)
         out = torch.empty(1, p.rows, p.width, device=DEV)
         cp.reset()
-        kernel_copy(out, cp.score_push(q, p.index_cache, p.block_table, p.seq_lens, 0, 1, p.width))
+        plan = cp.plan(p.block_table, p.seq_lens, width=p.width)
+        kernel_copy(out, cp.score_push(q, p.index_cache, plan))
         torch.cuda.current_stream().synchronize()
         return err, out
 

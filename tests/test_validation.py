@@ -3,6 +3,8 @@ was expected; checked through a real instance in a one-rank in-process world."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from collections.abc import Callable
 
 import pytest
@@ -17,7 +19,7 @@ ROWS, MAX_LEN = 3, 600  # needs 5 columns; max_width is 16
 QDT = {"bf16": "torch.bfloat16", "fp8": "torch.float8_e4m3fn", "nvfp4": "torch.float8_e4m3fn"}
 
 IQ_SHAPE_BUG = (
-    "validation.check_call unsqueezes a 2-D iq before the shape check, so the error describes "
+    "validation unsqueezes a 2-D iq before the shape check, so the error describes "
     "a tensor the caller never passed ('got ... [3, 1, 64]' for an iq of shape [3, 64])"
 )
 
@@ -35,6 +37,15 @@ def _args(fmt: str) -> dict:
     )
 
 
+def _call(cp: cpindex.IndexCP, a: dict, **kw) -> torch.Tensor:
+    """``cp.score_push`` on the arguments ``a`` (as :func:`_args` names them): its plan first."""
+    counts = {k: a[k] for k in ("init_blocks", "local_blocks", "width") if k in a}
+    plan = cp.plan(a["block_table"], a["seq_lens"], **counts)
+    return cp.score_push(
+        a["iq"], a["index_cache"], plan, **({"tag": a["tag"]} if "tag" in a else {}), **kw
+    )
+
+
 def _push(fmt: str, edit: Callable[[dict], None] | None = None, **cfg) -> torch.Tensor:
     """One score_push on a fresh 1-rank instance after ``edit`` broke the arguments."""
     args = _args(fmt)
@@ -44,7 +55,7 @@ def _push(fmt: str, edit: Callable[[dict], None] | None = None, **cfg) -> torch.
     def rank(comm):
         config = CPIndexConfig(max_rows=4, max_width=16, cache_format=fmt, num_heads=1, **cfg)
         with cpindex.IndexCP(config, device="cpu", comm=comm) as cp:
-            return cp.score_push(**args).clone()
+            return _call(cp, args).clone()
 
     return run_threads(1, rank)[0]
 
@@ -259,15 +270,20 @@ def test_nvfp4_pair_accepted():
 
 
 def test_block_table_wrong_dtype():
-    msg = r"block_table: expected torch.int32 \[rows, max_blocks\], got torch.int64 \[3, 5\]"
+    msg = r"block_table: expected torch.int32 \[requests, max_blocks\], got torch.int64 \[3, 5\]"
     with pytest.raises(TypeError, match=msg):
         _push("nvfp4", lambda a: a.update(block_table=a["block_table"].long()))
 
 
 def test_block_table_wrong_rows():
-    msg = r"block_table: expected torch.int32 \[3, max_blocks >= 1\] \(one row per request"
-    with pytest.raises(ValueError, match=msg):
+    with pytest.raises(ValueError, match=r"seq_lens: expected torch.int32 \[2\] \(one length per"):
         _push("nvfp4", lambda a: a.update(block_table=a["block_table"][:2]))
+    with pytest.raises(ValueError, match=r"iq: expected 2 rows \(the plan's 2 requests x query"):
+        _push(
+            "nvfp4",
+            lambda a: a.update(block_table=a["block_table"][:2], seq_lens=a["seq_lens"][:2]),
+        )
+    msg = r"block_table: expected torch.int32 \[requests >= 1, max_blocks >= 1\] \(one row per"
     with pytest.raises(ValueError, match=msg):
         _push("nvfp4", lambda a: a.update(block_table=a["block_table"].reshape(-1)))
     with pytest.raises(ValueError, match=msg):
@@ -413,12 +429,12 @@ def test_errors_leave_the_instance_usable_and_close_is_final():
         cfg = CPIndexConfig(max_rows=4, max_width=16, num_heads=1)
         cp = cpindex.IndexCP(cfg, device="cpu", comm=comm)
         with pytest.raises(ValueError, match="width"):
-            cp.score_push(**{**args, "width": 99})
-        good = cp.score_push(**args).clone()
+            _call(cp, {**args, "width": 99})
+        good = _call(cp, args).clone()
         cp.close()
         cp.close()  # idempotent
         with pytest.raises(cpindex.CPIndexError, match="closed"):
-            cp.score_push(**args)
+            _call(cp, args)
         return good
 
     want = reference.block_scores(
@@ -471,7 +487,7 @@ def _with_cp(fn, **cfg):
     return run_threads(1, rank)[0]
 
 
-def test_plan_form_equals_positional_form():
+def test_one_plan_serves_every_layer():
     a = _args("nvfp4")
 
     def fn(cp):
@@ -479,10 +495,10 @@ def test_plan_form_equals_positional_form():
         assert (plan.requests, plan.rows, plan.width, plan.query_len) == (ROWS, ROWS, 5, 1)
         layers = [cp.score_push(a["iq"], a["index_cache"], plan, tag=k).clone() for k in range(3)]
         ids = cp.select_blocks(a["iq"], a["index_cache"], plan, topk=3, tag=4).clone()
-        return layers, ids, cp.score_push(**a).clone()
+        return layers, ids, _call(cp, a).clone()
 
-    layers, ids, positional = _with_cp(fn)
-    assert all(torch.equal(x, positional) for x in layers)
+    layers, ids, fresh = _with_cp(fn)
+    assert all(torch.equal(x, fresh) for x in layers)
     want = reference.select_blocks(
         a["iq"],
         a["index_cache"],
@@ -501,10 +517,8 @@ def test_plan_refusals_name_the_argument():
 
     def fn(cp):
         plan = cp.plan(a["block_table"], a["seq_lens"])
-        with pytest.raises(TypeError, match=r"plan: pass either a plan or block_table"):
-            cp.score_push(a["iq"], a["index_cache"], plan, a["seq_lens"])
-        with pytest.raises(TypeError, match=r"plan: pass either a plan or block_table"):
-            cp.select_blocks(a["iq"], a["index_cache"], plan, query_len=2)
+        with pytest.raises(TypeError, match=r"plan: expected a cpindex Plan"):
+            cp.score_push(a["iq"], a["index_cache"], a["block_table"])
         with pytest.raises(ValueError, match=r"iq: expected 3 rows \(the plan's 3 requests x"):
             cp.score_push(a["iq"][:2], a["index_cache"], plan)
         with pytest.raises(ValueError, match=r"block_table: 3 requests x query_len 2 = 6 rows"):
@@ -524,6 +538,93 @@ def test_plan_refusals_name_the_argument():
         return cp.score_push(a["iq"], a["index_cache"], plan).clone()  # still usable (W = 1)
 
     assert _with_cp(fn).shape == (1, ROWS, 5)
+
+
+def _changed_plans(cp: cpindex.IndexCP, a: dict) -> dict[str, tuple[object, str]]:
+    """Plans whose tensors changed shape after plan(), or that were forged with other fields,
+    each with the message that must name what changed."""
+    out: dict[str, tuple[object, str]] = {}
+    bt, sl = a["block_table"].clone(), a["seq_lens"].clone()
+    plan = cp.plan(bt, sl, width=5)
+    out["width"] = (dataclasses.replace(plan, width=100000), r"width 5 -> 100000")
+    out["query_len"] = (dataclasses.replace(plan, query_len=2), r"query_len 1 -> 2")
+    out["init_blocks"] = (dataclasses.replace(plan, init_blocks=3), r"init_blocks 0 -> 3")
+    out["unchecked"] = (cpindex.Plan(bt, sl, width=5, config=cp.config), "not made by")
+    bt2, sl2 = a["block_table"].clone(), a["seq_lens"].clone()
+    resized = cp.plan(bt2, sl2, width=5)
+    sl2.resize_(2)
+    bt2.resize_(2, bt2.shape[1])
+    out["resized"] = (resized, r"block_table's shape \(3, \d+\) -> \(2, \d+\); seq_lens' "
+                      r"shape \(3,\) -> \(2,\)")  # fmt: skip
+    bt3 = a["block_table"].clone()
+    strided = cp.plan(bt3, a["seq_lens"], width=5)
+    bt3.t_()
+    out["strides"] = (strided, r"block_table's shape .*block_table's strides")
+    return out
+
+
+def test_changed_or_forged_plan_is_refused_naming_what_changed():
+    """A plan resized in place after plan(), or forged with dataclasses.replace, is refused
+    before any launch with a ValueError naming what changed, and the instance stays usable."""
+    a = _args("nvfp4")
+
+    def fn(cp):
+        errors = {}
+        for name, (plan, _) in _changed_plans(cp, a).items():
+            for op in (cp.score_push, cp.select_blocks):
+                try:
+                    op(a["iq"], a["index_cache"], plan)
+                except ValueError as e:
+                    errors[name, op.__name__] = str(e)
+        return errors, _call(cp, a).clone()
+
+    errors, after = _with_cp(fn)
+    a2 = _args("nvfp4")
+    for name, (_, pattern) in _with_cp(lambda cp: _changed_plans(cp, a2)).items():
+        for op in ("score_push", "select_blocks"):
+            msg = errors.get((name, op))
+            assert msg is not None and msg.startswith("plan: "), (name, op, msg)
+            assert re.search(pattern, msg), (name, msg)
+    want = reference.block_scores(
+        a["iq"], a["index_cache"], a["block_table"], a["seq_lens"], init_blocks=0,
+        local_blocks=1, width=a["width"],
+    )  # fmt: skip
+    assert torch.equal(after, want)
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["cp", "below-gate"])
+def test_changed_plan_with_peers(gated):
+    """W = 2, every rank's plan resized: every rank raises the ValueError naming the change,
+    before anything is exchanged. Below the CP gate no peer waits: the instance stays usable.
+    Above it the call was the ranks' call N (a refusal round tells the peers at once): every
+    rank raises, and reset() brings the instance back with exact results."""
+    prob = testing.make_problem(ROWS, MAX_LEN, "fp8", seed=5)
+
+    def rank(comm):
+        cfg = CPIndexConfig(cache_format="fp8", max_rows=4, max_width=16, timeout_s=30,
+                            cp_min_blocks=10**6 if gated else 0)  # fmt: skip
+        iq = prob.rank_queries(comm.rank, 2)
+        with cpindex.IndexCP(cfg, device="cpu", comm=comm) as cp:
+            sl = prob.seq_lens.clone()
+            plan = cp.plan(prob.block_table, sl, width=prob.width)
+            sl.resize_(2)
+            try:
+                cp.score_push(iq, prob.index_cache, plan)
+                err = None
+            except ValueError as e:
+                err = str(e)
+            if not gated:
+                cp.reset()
+            fresh = cp.plan(prob.block_table, prob.seq_lens, width=prob.width)
+            return err, cp.score_push(iq, prob.index_cache, fresh).clone()
+
+    want = reference.block_scores(
+        prob.q, prob.index_cache, prob.block_table, prob.seq_lens, init_blocks=0,
+        local_blocks=1, width=prob.width,
+    )  # fmt: skip
+    for r, (err, out) in enumerate(run_threads(2, rank)):
+        assert err is not None and "seq_lens' shape (3,) -> (2,)" in err, err
+        assert torch.equal(out, want[2 * r : 2 * r + 2])
 
 
 def test_plan_sees_tensors_changed_in_place():

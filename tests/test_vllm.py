@@ -347,3 +347,54 @@ def test_no_process_group():
         dropin.IndexCP(0, None, "cpu", 8, 8)
     with pytest.raises(TypeError, match="rank: expected an int"):
         dropin.IndexCP("0", None, "cpu", 8, 8)  # type: ignore[arg-type]
+
+
+def test_untagged_calls_are_tagged_by_cache_so_a_skipped_layer_is_caught(monkeypatch):
+    """The seed's calls carry no tag: the drop-in numbers each layer's cache object in the order
+    it first sees them, the same on every rank. A rank that skips a layer's call then makes a
+    call whose tag differs from its peers': every rank raises OutOfStepError at once (equal
+    shapes, so counting calls alone would pair layer 2's queries with layer 1's silently)."""
+    monkeypatch.setenv("CPINDEX_TIMEOUT_S", "30")
+    prob = problem(2, 4, 70)
+    layers = [prob.index_cache.clone() for _ in range(3)]  # one cache object per layer
+
+    def body(comm):
+        iq, _, bt, sl = _args(prob, comm.rank, 2)
+        with dropin.IndexCP(comm.rank, None, "cpu", 16, 24, comm=comm) as cp:
+            step1 = [cp.score_push(iq, c, bt, sl, 0, 1, prob.width).clone() for c in layers]
+            plan = cp._plan
+            skipped = layers[2] if comm.rank == 1 else layers[1]  # rank 1 skips layer 1
+            err = _error(lambda: cp.score_push(iq, skipped, bt, sl, 0, 1, prob.width))
+            cp.reset()
+            again = cp.score_push(iq, layers[0], bt, sl, 0, 1, prob.width).clone()
+            return step1, plan is cp._plan, err, again
+
+    for rank, (step1, reused, err, again) in enumerate(run_threads(2, body)):
+        assert all(torch.equal(out, want(prob, rank, 0, 1)) for out in step1)
+        assert reused  # one plan for every layer of the step
+        assert err is not None and err[0] == "OutOfStepError", err
+        assert "tag" in err[1], err
+        assert torch.equal(again, want(prob, rank, 0, 1))
+
+
+def test_a_given_tag_wins_and_a_resized_table_is_planned_again(monkeypatch):
+    monkeypatch.setenv("CPINDEX_TIMEOUT_S", "30")
+    prob = problem(2, 4, 71)
+
+    def body(comm):
+        iq, cache, bt, sl = _args(prob, comm.rank, 2)
+        bt, sl = bt.clone(), sl.clone()
+        with dropin.IndexCP(comm.rank, None, "cpu", 16, 24, comm=comm) as cp:
+            given = _error(
+                lambda: cp.score_push(iq, cache, bt, sl, 0, 1, prob.width, tag=comm.rank)
+            )
+            cp.reset()
+            first = cp._plan
+            wider = torch.cat([bt, torch.zeros(bt.shape[0], 2, dtype=torch.int32)], dim=1)
+            bt.resize_(wider.shape).copy_(wider)  # the same object, resized in place
+            out = cp.score_push(iq, cache, bt, sl, 0, 1, prob.width).clone()
+            return given, cp._plan is not first, out
+
+    for rank, (given, replanned, out) in enumerate(run_threads(2, body)):
+        assert given is not None and given[0] == "OutOfStepError"  # tags 0 and 1, as given
+        assert replanned and torch.equal(out, want(prob, rank, 0, 1))

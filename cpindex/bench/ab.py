@@ -113,8 +113,11 @@ def _rank_job(comm: Comm, spec: Spec, device: torch.device) -> list[dict]:
         for rows, ctx, t_len in itertools.product(spec.rows, spec.contexts, spec.query_lens):
             prob = _problem(fmt, rows, ctx, t_len, device)
             iq = prob.rank_queries(comm.rank, comm.world_size)
-            args = (prob.index_cache, prob.block_table, prob.seq_lens, 0, 1, prob.width)
-            kw = {"query_len": t_len}
+            cache = prob.index_cache
+            plans = {
+                t: cp.plan(prob.block_table, prob.seq_lens, query_len=t_len, width=prob.width)
+                for t, cp in cps.items()
+            }
             rec = {
                 "copy_gbs": copy_gbs,
                 "format": fmt,
@@ -132,7 +135,7 @@ def _rank_job(comm: Comm, spec: Spec, device: torch.device) -> list[dict]:
             comm.barrier()  # all prep done before anyone launches push kernels
             agree = {}
             for t, cp in cps.items():
-                got = cp.score_push(iq, *args, **kw)
+                got = cp.score_push(iq, cache, plans[t])
                 if device.type == "cuda":
                     torch.cuda.current_stream().synchronize()
                 comm.barrier()  # nobody launches the next push while equal() allocates
@@ -140,12 +143,12 @@ def _rank_job(comm: Comm, spec: Spec, device: torch.device) -> list[dict]:
                 comm.barrier()
             rec["agree"] = agree
             for t, cp in cps.items():
-                fn = lambda i, cp=cp, iq=iq, args=args, kw=kw: cp.score_push(iq, *args, **kw)  # noqa: E731
+                fn = lambda i, cp=cp, iq=iq, c=cache, p=plans[t]: cp.score_push(iq, c, p)  # noqa: E731
                 rec[t] = summarize(_time(fn, spec, device, cp.capturable, comm))
                 rec[t]["graph"] = bool(spec.graphs and cp.capturable)
                 rec["transport_" + t] = cp.transport_name
                 if spec.select:
-                    _time_selection(rec, t, cp, iq, args, kw, spec, device, comm)
+                    _time_selection(rec, t, cp, iq, cache, plans[t], spec, device, comm)
             comm.barrier()
             if comm.rank == 0:  # alone on the device: share scoring and no-CP baseline
                 rec["score"] = summarize(_time(_share_fn(prob, comm, device), spec, device))
@@ -173,7 +176,7 @@ def _rank_job(comm: Comm, spec: Spec, device: torch.device) -> list[dict]:
     return out
 
 
-def _time_selection(rec, t, cp, iq, args, kw, spec, device, comm) -> None:
+def _time_selection(rec, t, cp, iq, cache, plan, spec, device, comm) -> None:
     """``select_blocks`` (topk 16) beside ``score_push`` + ``torch.topk`` of its scores, and the
     bytes each exchange sends per call from this rank.
 
@@ -183,9 +186,9 @@ def _time_selection(rec, t, cp, iq, args, kw, spec, device, comm) -> None:
     between two ranks' pushes stalls them (docs/design.md, the one-process world, rule 2)."""
 
     def select(i):
-        return cp.select_blocks(iq, *args, **kw, topk=SELECT_TOPK)
+        return cp.select_blocks(iq, cache, plan, topk=SELECT_TOPK)
 
-    scores = cp.score_push(iq, *args, **kw)
+    scores = cp.score_push(iq, cache, plan)
     if device.type == "cuda":
         torch.cuda.current_stream().synchronize()
     comm.barrier()  # every rank's push done: topk alone from here on
@@ -194,7 +197,7 @@ def _time_selection(rec, t, cp, iq, args, kw, spec, device, comm) -> None:
     comm.barrier()  # every rank's selections done before any topk (which may memset) starts
     rec[t + "_topk"] = summarize(_time(lambda i: scores.topk(k, dim=-1), spec, device, True, comm))
     rec[t + "_push_topk"] = {"median_ms": rec[t]["median_ms"] + rec[t + "_topk"]["median_ms"]}
-    rows, width = iq.shape[0], args[-1]
+    rows, width = iq.shape[0], plan.width
     rec[t + "_bytes_scores"] = cp.exchange_bytes(rows, width)
     rec[t + "_bytes_select"] = cp.exchange_bytes(rows, width, SELECT_TOPK)
 

@@ -55,10 +55,13 @@ def _callable(cp, call: str, form: str, iq, prob, plan, t: int):
         if call == "score_push":
             return lambda i: cp.score_push(iq, cache, plan)
         return lambda i: cp.select_blocks(iq, cache, plan, topk=SELECT_TOPK)
-    args = (cache, prob.block_table, prob.seq_lens, 0, 1, prob.width)
+    # "positional": a plan made for each call, as the positional form did
+    bt, sl, w = prob.block_table, prob.seq_lens, prob.width
     if call == "score_push":
-        return lambda i: cp.score_push(iq, *args, query_len=t)
-    return lambda i: cp.select_blocks(iq, *args, query_len=t, topk=SELECT_TOPK)
+        return lambda i: cp.score_push(iq, cache, cp.plan(bt, sl, query_len=t, width=w))
+    return lambda i: cp.select_blocks(
+        iq, cache, cp.plan(bt, sl, query_len=t, width=w), topk=SELECT_TOPK
+    )
 
 
 def _shape(comm: Comm, cps: dict, rows: int, ctx: int, t: int, fmt: str, iters: int,

@@ -124,11 +124,19 @@ def _sweep(comm: Comm, spec: Spec, device: torch.device, progress: Progress) -> 
         for ctx in spec.contexts:
             prob = _problem(spec.fmt, requests, ctx, spec.query_len, device)
             iq = prob.rank_queries(comm.rank, w)
-            args = (prob.index_cache, prob.block_table, prob.seq_lens, 0, 1, prob.width)
-            kw: dict = {"query_len": spec.query_len}
+            plans = {
+                name: cp.plan(
+                    prob.block_table, prob.seq_lens, query_len=spec.query_len, width=prob.width
+                )
+                for name, cp in cps.items()
+            }
+            kw: dict = {}
             if spec.op == "select_blocks":
                 kw["topk"] = SELECT_TOPK
-            fns = {name: _caller(getattr(cp, spec.op), (iq, *args), kw) for name, cp in cps.items()}
+            fns = {
+                name: _caller(getattr(cp, spec.op), (iq, prob.index_cache, plans[name]), kw)
+                for name, cp in cps.items()
+            }
             outs = {}
             _settle(comm, device)
             for name, fn in fns.items():  # correctness first: both paths, bit for bit

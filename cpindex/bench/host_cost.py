@@ -1,15 +1,15 @@
 """``cpindex bench --host``: the host time of one eager call beside the GPU time of that call,
 per entry point, on one GPU.
 
-Entry points: ``IndexCP.score_push`` and ``IndexCP.select_blocks`` (topk 16) in the positional
-form and, where :meth:`IndexCP.plan` exists, with a plan made once before the timed calls (as a
-decode step's layers share one); per transport (``ipc``; ``collective`` for its own host work,
-its communication being a one-rank round here); ``torch.ops.cpindex.block_scores`` and its eager
-wrapper ``ops.block_scores`` (which calls the kernel around the dispatcher); the kernel
-launcher beneath them (``KernelScorer.score_local``: the floor the entry points add to); and the
-Triton peer (``triton_block_scores``, on bf16 inputs of the same shape: it reads bf16 only).
-IndexCP runs in a one-rank one-process world (``run_threads(1, ...)``), so nothing waits on a
-peer and the host time is the call's own.
+Entry points: ``IndexCP.score_push`` and ``IndexCP.select_blocks`` (topk 16) with a plan made
+for each call (:meth:`IndexCP.plan` inside the timed call) and with a plan made once before the
+timed calls (as a decode step's layers share one); per transport (``ipc``; ``collective`` for
+its own host work, its communication being a one-rank round here);
+``torch.ops.cpindex.block_scores`` and its eager wrapper ``ops.block_scores`` (which calls the
+kernel around the dispatcher); the kernel launcher beneath them (``KernelScorer.score_local``:
+the floor the entry points add to); and the Triton peer (``triton_block_scores``, on bf16 inputs
+of the same shape: it reads bf16 only). IndexCP runs in a one-rank one-process world
+(``run_threads(1, ...)``), so nothing waits on a peer and the host time is the call's own.
 
 Host time: ``time.perf_counter`` around each eager call; the device runs behind, and every
 :data:`SYNC_EVERY` calls the stream is synchronized outside the timed region (so the launch
@@ -116,30 +116,29 @@ def _entries(cps: dict, fmt: str, rows: int, ctx: int, t: int, dev: torch.device
     for name, cp in cps.items():
         cap = cp.capturable
 
-        def push(i, cp=cp):
-            return cp.score_push(q, cache, tables[i % sets], lens, 0, 1, blocks, query_len=t)
+        def push(i, cp=cp):  # a plan made per call (what the positional form did)
+            plan = cp.plan(tables[i % sets], lens, query_len=t, width=blocks)
+            return cp.score_push(q, cache, plan)
 
         def select(i, cp=cp):
-            return cp.select_blocks(
-                q, cache, tables[i % sets], lens, 0, 1, blocks, query_len=t, topk=SELECT_TOPK
-            )
+            plan = cp.plan(tables[i % sets], lens, query_len=t, width=blocks)
+            return cp.select_blocks(q, cache, plan, topk=SELECT_TOPK)
 
         out += [("IndexCP.score_push", name, push, cap, nbytes),
                 ("IndexCP.select_blocks", name, select, cap, nbytes)]  # fmt: skip
-        if has_plan():
-            plans = [
-                cp.plan(tables[s], lens, query_len=t, init_blocks=0, local_blocks=1, width=blocks)
-                for s in range(sets)
-            ]
+        plans = [
+            cp.plan(tables[s], lens, query_len=t, init_blocks=0, local_blocks=1, width=blocks)
+            for s in range(sets)
+        ]
 
-            def push_plan(i, cp=cp, plans=plans):
-                return cp.score_push(q, cache, plans[i % sets])
+        def push_plan(i, cp=cp, plans=plans):
+            return cp.score_push(q, cache, plans[i % sets])
 
-            def select_plan(i, cp=cp, plans=plans):
-                return cp.select_blocks(q, cache, plans[i % sets], topk=SELECT_TOPK)
+        def select_plan(i, cp=cp, plans=plans):
+            return cp.select_blocks(q, cache, plans[i % sets], topk=SELECT_TOPK)
 
-            out += [("IndexCP.score_push(plan)", name, push_plan, cap, nbytes),
-                    ("IndexCP.select_blocks(plan)", name, select_plan, cap, nbytes)]  # fmt: skip
+        out += [("IndexCP.score_push(plan)", name, push_plan, cap, nbytes),
+                ("IndexCP.select_blocks(plan)", name, select_plan, cap, nbytes)]  # fmt: skip
     op = torch.ops.cpindex.block_scores  # the one-tensor cache: scales None
     out.append((
         "torch.ops.cpindex.block_scores", "", lambda i: op(

@@ -21,7 +21,7 @@ from .. import selection
 from ..comm import Comm
 from ..config import CPIndexConfig
 from ..errors import TransportUnavailable
-from ..validation import Call
+from ..plan import Call
 
 log = logging.getLogger("cpindex")
 

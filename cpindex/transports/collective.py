@@ -42,7 +42,7 @@ from ..errors import PeerTimeoutError, TransportUnavailable
 from ..kernels import structs
 from ..kernels.launcher import ErrorMonitor, KernelScorer, SelectTargets
 from ..memo import Memo
-from ..validation import Call
+from ..plan import Call
 from .base import Context, Transport, register
 
 #: Bytes after each rank's query rows in the gathered buffer (GPU agreement): the plan's

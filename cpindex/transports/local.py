@@ -40,7 +40,7 @@ from .. import reference, selection
 from ..kernels import structs
 from ..kernels.launcher import ErrorMonitor, KernelScorer, SelectTargets
 from ..memo import Memo
-from ..validation import Call
+from ..plan import Call
 from .base import Context, Transport
 
 #: Byte offset of the rank in the error word (the local kernel runs as rank 0 of a world of 1).

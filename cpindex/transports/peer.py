@@ -37,8 +37,7 @@ from ..errors import TransportUnavailable
 from ..kernels import structs
 from ..kernels.launcher import ErrorMonitor, KernelScorer, SelectTargets
 from ..memo import Memo
-from ..plan import Plan
-from ..validation import Call
+from ..plan import Call, Plan
 from .base import Context, Transport
 
 OFF_CALLS, OFF_TICKET, OFF_BARRIER, OFF_ERR = 0, 8, 16, 64
