@@ -449,9 +449,9 @@ def test_each_op_takes_its_own_threshold(monkeypatch):
                 p = case.problem()
                 args = _args(p, case, comm.rank, comm.world_size)
                 before = _rounds(cp)
-                scores = cp.score_push(*args).clone()
+                scores = _call(cp, args).clone()
                 pushed = _rounds(cp)
-                ids, vals = cp.select_blocks(*args, topk=TOPK, return_scores=True)
+                ids, vals = _call(cp, args, "select_blocks", topk=TOPK, return_scores=True)
                 out[case.name] = {
                     "rounds": [pushed - before, _rounds(cp) - pushed],
                     "scores": scores,
