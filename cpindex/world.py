@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .comm import CollectiveTimeout, Comm, _bytes
+from .comm import Bound, CollectiveTimeout, Comm, _bytes
 from .errors import add_note
 
 T = TypeVar("T")
@@ -132,9 +132,12 @@ class ThreadComm:
         self._world = world
         self.rank = rank
         self.world_size = world.world_size
+        #: :func:`cpindex.comm.bounded`'s deadline for the untimed exchanges (else the world's).
+        self.bound: Bound | None = None
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        return self._world.exchange(self.rank, obj)
+        bound = self.bound
+        return self._world.exchange(self.rank, obj, None if bound is None else bound.timeout_s)
 
     def _exchange_tensors(
         self,
@@ -171,7 +174,7 @@ class ThreadComm:
         self._exchange_tensors(inp, copy, timeout_s)
 
     def barrier(self) -> None:
-        self._world.exchange(self.rank, None)
+        self.all_gather_object(None)
 
     def rendezvous(self, key: str, payload: str, timeout_s: float) -> list[str]:
         return self._world.rendezvous(self.rank, key, payload, timeout_s)
