@@ -51,47 +51,52 @@ class CollectiveFailed(RuntimeError):
 
 class PeerAborted(CollectiveFailed):
     """A rendezvous left because rank ``rank`` gave up the work it belongs to (its construction
-    failed there) and said so through :func:`bounded`'s abort key: ``reason`` is its error."""
+    failed there) and said so with :func:`abort`: ``reason`` is its error."""
 
     def __init__(self, what: str, rank: int, reason: str) -> None:
         super().__init__(what, f"rank {rank} failed: {reason}")
         self.rank, self.reason = rank, reason
 
 
+#: The round scopes :func:`abort` closes: those only construction uses (never a call's, which
+#: another instance of the group may be about to take).
+ABORT_SCOPES = ("objects", "gate")
+
+
 @dataclass(frozen=True)
 class Bound:
     """The deadline of a comm's untimed rounds (``all_gather_object``, ``barrier``) while
-    :func:`bounded` holds, and the key a failing rank sets to release its peers at once."""
+    :func:`bounded` holds."""
 
     timeout_s: float
-    abort_key: str | None = None
 
 
 @contextlib.contextmanager
-def bounded(comm: Any, timeout_s: float, abort_key: str | None = None) -> Iterator[None]:
-    """While inside: ``comm``'s ``all_gather_object`` and ``barrier`` are rounds bounded by
-    ``timeout_s`` (a late or dead rank raises :class:`CollectiveTimeout` or
-    :class:`CollectiveFailed`, never a hang), and every rendezvous leaves with
-    :class:`PeerAborted` once a rank calls :func:`abort` with ``abort_key``. A comm without a
-    ``bound`` attribute (a caller's own) is used as it is."""
+def bounded(comm: Any, timeout_s: float) -> Iterator[None]:
+    """While inside: ``comm``'s ``all_gather_object`` and ``barrier`` are rendezvous rounds
+    bounded by ``timeout_s`` (a late or dead rank raises :class:`CollectiveTimeout` or
+    :class:`CollectiveFailed`, never a hang). A comm without a ``bound`` attribute (a caller's
+    own) is used as it is."""
     if not hasattr(comm, "bound"):
         yield
         return
     saved = comm.bound
-    comm.bound = Bound(timeout_s, abort_key)
+    comm.bound = Bound(timeout_s)
     try:
         yield
     finally:
         comm.bound = saved
 
 
-def abort(comm: Any, abort_key: str, reason: str) -> None:
-    """Tell the peers inside :func:`bounded` with ``abort_key`` that this rank gave up (best
-    effort: a store that is gone cannot carry it, and the peers then time out)."""
+def abort(comm: Any, reason: str) -> None:
+    """Tell the peers that this rank gave up the construction under way: the next round of
+    each of :data:`ABORT_SCOPES`, where a peer may wait for this rank, ends for every rank in
+    :class:`PeerAborted` naming it (best effort: a store that is gone cannot carry it, and
+    the peers then time out)."""
     fn = getattr(comm, "abort", None)
     if fn is not None:
         with contextlib.suppress(Exception):
-            fn(abort_key, reason)
+            fn(reason)
 
 
 def process_id() -> list[Any]:
@@ -198,8 +203,6 @@ _GROUP_STATE: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDi
 #: Per process group: why its backend may hold a half-done collective (one that failed or timed
 #: out on this rank), after which no collective may be posted on it again.
 _GROUP_BROKEN: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
-#: How often a rendezvous that waits looks for an abort or a dead peer (seconds).
-POLL_S = 0.1
 #: How long a failed collective waits for a peer's death to show before naming no one.
 DEATH_GRACE_S = 0.5
 
@@ -273,19 +276,17 @@ class TorchComm:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def abort(self, abort_key: str, reason: str) -> None:
-        """Set ``abort_key`` (see :func:`abort`)."""
-        if self._store is not None:
-            self._store.set(f"abort/{abort_key}", f"{self.rank}:{reason}")
-
-    def _aborted(self, what: str) -> None:
-        bound, st = self.bound, self._store
-        if bound is None or bound.abort_key is None or st is None:
+    def abort(self, reason: str) -> None:
+        """See :func:`abort`. Peers can be at most one round ahead of this rank (a round ends
+        only once every rank came), so they wait in this rank's next round of a scope, if
+        anywhere: its outcome is set to the abort, and the scope moves past it on this rank
+        (the next construction's agreement moves every rank past it)."""
+        st = self._store
+        if st is None:
             return
-        key = f"abort/{bound.abort_key}"
-        if st.check([key]):
-            rank, _, reason = st.get(key).decode().partition(":")
-            raise PeerAborted(what, int(rank), reason)
+        for scope in ABORT_SCOPES:
+            n = self.counters[scope] = self.counters.get(scope, 0) + 1
+            st.compare_set(f"rv/{scope}/{n}/o", "", f"abort:{self.rank}:{reason}")
 
     def dead_ranks(self, ranks: list[int] | None = None, grace_s: float = 0.0) -> list[int]:
         """The ranks (of ``ranks``, default all) whose processes are known to be gone, waiting
@@ -301,30 +302,6 @@ class TorchComm:
                 return dead
             time.sleep(0.02)
 
-    def _wait(self, st: Any, key: str, timeout_s: float, what: str, k: str) -> bool:
-        """Wait for ``key`` up to ``timeout_s``, in slices that look for an abort and for peers
-        whose processes are gone; False when the time ran out."""
-        end = time.monotonic() + timeout_s
-        while True:
-            left = end - time.monotonic()
-            if left <= 0:
-                return False
-            try:
-                st.wait([key], timedelta(seconds=min(POLL_S, left)))
-                return True
-            except dist.DistStoreError:
-                pass  # not yet (or the store is gone: the next request tells)
-            self._aborted(what)
-            if self.processes:
-                late = [r for r in range(self.world_size) if not st.check([f"{k}/{r}"])]
-                dead = self.dead_ranks(late)
-                if dead:
-                    raise CollectiveFailed(
-                        what,
-                        f"the process of rank {', '.join(map(str, dead))} is gone",
-                        dead,
-                    )
-
     def rendezvous(self, key: str, payload: str, timeout_s: float) -> list[str]:
         st = self._store
         if st is None:
@@ -332,11 +309,13 @@ class TorchComm:
         k, w = f"rv/{key}", self.world_size
         what = f"rendezvous {key!r}"
         try:
-            self._aborted(what)
             st.set(f"{k}/{self.rank}", payload)
             waited_out = False
             if st.add(f"{k}/n", 1) < w:
-                waited_out = not self._wait(st, f"{k}/o", timeout_s, what, k)
+                try:
+                    st.wait([f"{k}/o"], timedelta(seconds=timeout_s))
+                except dist.DistStoreError:
+                    waited_out = True  # or the store is gone: compare_set below tells
             # The first rank to decide fixes the outcome for all: the last to arrive says "ok",
             # a rank whose wait ran out first says "gone" (and arrivals after it see "gone").
             # A rank woken by the outcome just reads it back (compare_set keeps a set value).
@@ -344,11 +323,18 @@ class TorchComm:
             if outcome == b"ok":
                 values = st.multi_get([f"{k}/{r}" for r in range(w)])
                 return [v.decode() for v in values]
+            if outcome.startswith(b"abort:"):  # a rank gave up the work (abort())
+                rank, _, reason = outcome.decode()[len("abort:") :].partition(":")
+                raise PeerAborted(what, int(rank), reason)
             late = [r for r in range(w) if not st.check([f"{k}/{r}"])]
-        except (CollectiveFailed, CollectiveTimeout):
+        except CollectiveFailed:
             raise
         except RuntimeError as e:  # torch's DistNetworkError/DistStoreError and kin
             raise _store_failed(what, e, self.dead_ranks(grace_s=DEATH_GRACE_S)) from None
+        dead = self.dead_ranks(late)
+        if dead:  # not late: gone
+            who = ", ".join(map(str, dead))
+            raise CollectiveFailed(what, f"the process of rank {who} is gone", dead)
         if waited_out:
             raise CollectiveTimeout(what, late)
         raise CollectiveTimeout(

@@ -11,8 +11,8 @@ handling").
   never leaves the group out of step for the next one.
 * **The build** after it (transport, CP gate, runner) runs with every round bounded by
   ``config.timeout_s`` (:func:`cpindex.comm.bounded`). A rank that fails there (an allocation,
-  a probe) tells its peers through the construction's abort key, so every rank raises one
-  library error naming it; a peer that stalls or dies makes the others raise
+  a probe) closes the round its peers wait in (:func:`cpindex.comm.abort`), so every rank
+  raises one library error naming it; a peer that stalls or dies makes the others raise
   :class:`PeerTimeoutError` or :class:`PeerConnectionError` naming it.
 * **reset()'s argument**, checked alike on every rank before any round; a rank with a bad one
   still meets its peers with a refusal, so no outcome splits.
@@ -125,9 +125,8 @@ def build(
     bound, dev, placements, n = agree(config, comm, device, error)  # type: ignore[arg-type]
     key = [dev.type, dev.index, True]
     sharing = sum(1 for p in placements if p == key) if key[0] == "cuda" else 1
-    abort_key = f"new/{n}"
     try:
-        with bounded(comm, bound.timeout_s, abort_key):
+        with bounded(comm, bound.timeout_s):
             ctx = Context(bound, comm, dev, max(1, sharing))
             transport = select(ctx)
             local = LocalPath(ctx, transport)
@@ -135,13 +134,13 @@ def build(
             runner = Runner(bound, comm, transport, n, dev, local, gate_)
             comm.all_gather_object(True)  # built on every rank: a failure above reached all
     except BaseException as e:
-        raise _construction_error(comm, e, abort_key) from None
+        raise _construction_error(comm, e) from None
     return Built(
         comm, bound, dev, bound.heads_per_rank(comm.world_size), transport, local, gate_, runner
     )
 
 
-def _construction_error(comm: Comm, e: BaseException, abort_key: str) -> BaseException:
+def _construction_error(comm: Comm, e: BaseException) -> BaseException:
     """The one library error of a build that failed on this rank (``e``), after telling the
     peers when the failure is this rank's own."""
     rank = comm.rank
@@ -173,7 +172,7 @@ def _construction_error(comm: Comm, e: BaseException, abort_key: str) -> BaseExc
         return e
     # This rank's own failure: the peers leave their rounds at once, naming it.
     reason = f"{type(e).__name__}: {_first_line(e)}"
-    abort(comm, abort_key, reason)
+    abort(comm, reason)
     if isinstance(e, CPIndexError) or not isinstance(e, Exception):
         return e  # already a library error (or an interrupt)
     out = CPIndexError(f"rank {rank}: {WHAT} failed on this rank: {reason}. {AGAIN}")
