@@ -319,7 +319,8 @@ def gloo_rank(rank: int, world: int, out_dir: str) -> None:
         torch.save(res, path / f"rank{rank}.pt")
 
     if kind == "main":
-        res = run(rank, list(MAIN), MAIN)
+        only = os.environ.get("FAILURES_ONLY")  # a comma list: run just these (debugging)
+        res = run(rank, only.split(",") if only else list(MAIN), MAIN)
     else:
         victim = world - 1
         res[kind] = {"victim": True}  # what the victim saves before it dies
