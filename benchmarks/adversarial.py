@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import resource
 import sys
 import tempfile
 import time
@@ -37,6 +38,7 @@ import torch
 
 import cpindex
 from cpindex import partition, reference, testing
+from cpindex.comm import TorchComm
 from cpindex.config import CPIndexConfig
 from cpindex.spawn import spawn_processes
 
@@ -126,6 +128,15 @@ class Rank:
             return False
 
 
+def _limit_memory(headroom: int) -> tuple[int, int]:
+    """Cap this process's address space at what it maps now plus ``headroom`` bytes."""
+    old = resource.getrlimit(resource.RLIMIT_AS)
+    with open("/proc/self/status") as f:
+        vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (vm + headroom, old[1]))
+    return old
+
+
 def _flip(t: torch.Tensor) -> torch.Tensor:
     t = t.clone()
     t[0, 0], t[0, 1] = int(t[0, 1]), int(t[0, 0])
@@ -145,6 +156,30 @@ def _attack(r: Rank, family: str, bad: bool, rng: random.Random) -> Callable[[],
     if family == "construction_device":
         dev = "meta" if bad else "cpu"
         return lambda: cpindex.IndexCP(_cfg(), device=dev).close()
+    if family == "construction_stall":  # the bad rank's first round after the agreement is late
+        comm = TorchComm()
+        if bad:
+            real, first = comm.all_gather_object, [True]
+
+            def late(obj: Any) -> list[Any]:
+                if first and first.pop():
+                    time.sleep(TIMEOUT_S + 0.5)
+                return real(obj)
+
+            comm.all_gather_object = late  # type: ignore[method-assign]
+        return lambda: cpindex.IndexCP(_cfg(), device="cpu", comm=comm).close()
+    if family == "construction_alloc":  # the bad rank cannot allocate its buffers
+        big = _cfg(max_rows=256, max_width=1 << 18, max_buffer_bytes=1 << 40)
+
+        def build() -> None:
+            old = _limit_memory(128 << 20) if bad else None
+            try:
+                cpindex.IndexCP(big, device="cpu").close()
+            finally:
+                if old is not None:
+                    resource.setrlimit(resource.RLIMIT_AS, old)
+
+        return build
     if family == "reset_argument":
         value = rng.choice([-1.0, -0.5, 0, float("inf"), float("nan"), "1", 1e300, True])
         return (lambda: r.cp.reset(value)) if bad else r.cp.reset
@@ -176,7 +211,7 @@ def _attack(r: Rank, family: str, bad: bool, rng: random.Random) -> Callable[[],
 FAMILIES = (
     "tag", "skip", "op", "rows", "width", "forcing", "table", "lengths", "problem", "bad_dtype",
     "negative_width", "bad_tag", "stall", "reset_argument", "construction_mismatch",
-    "construction_type", "construction_device",
+    "construction_type", "construction_device", "construction_stall", "construction_alloc",
 )  # fmt: skip
 
 
@@ -230,7 +265,8 @@ def _soak(r: Rank, rng: random.Random, calls: int) -> dict[str, int]:
 
 def _classify(per_rank: list[dict[str, Any]]) -> str:
     limit = TIMEOUT_S + 1.0
-    if any(o["s"] > limit + (TIMEOUT_S + 0.5 if o["family"] == "stall" else 0) for o in per_rank):
+    late = TIMEOUT_S + 0.5 if "stall" in per_rank[0]["family"] else 0.0  # the stall itself
+    if any(o["s"] > limit + late for o in per_rank):
         return "slow"
     raised = [o["type"] is not None for o in per_rank]
     if not any(raised):

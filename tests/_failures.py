@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 import cpindex
-from cpindex import partition, reference, testing
+from cpindex import construction, partition, reference, testing
 from cpindex.comm import TorchComm
 from cpindex.config import CPIndexConfig
 from cpindex.spawn import spawn_processes
@@ -145,6 +145,22 @@ def sc_construction_refused(rank: int) -> dict:
             out[name] = outcome(lambda: cpindex.IndexCP(cfg(), device="cpu").close())
         out[name + "/again"] = outcome(build_and_check)
     return out
+
+
+def sc_construction_env(rank: int) -> dict:
+    """Rank 1 holds a bad ``CPINDEX_*`` variable and refuses as a constructor does before
+    building (``construction.refuse``, what the vLLM drop-in calls): its peers raise at once
+    naming it, and the next construction on every rank works."""
+    env = {"CPINDEX_MAX_ROWS": "-3"} if rank == 1 else {}
+
+    def make() -> None:
+        try:
+            config = CPIndexConfig.from_env(env, num_heads=4)
+        except ValueError as e:
+            construction.refuse(e)
+        cpindex.IndexCP(config, device="cpu").close()
+
+    return {"env": outcome(make), "again": outcome(build_and_check)}
 
 
 def sc_construction_alone(rank: int) -> dict:
@@ -299,6 +315,7 @@ MAIN = {
     "reset_bad_values": sc_reset_bad_values,
     "negative_width": sc_negative_width,
     "construction_refused": sc_construction_refused,
+    "construction_env": sc_construction_env,
     "construction_alone": sc_construction_alone,
     "stall_after_agreement": sc_stall_after_agreement,
     "alloc_one_rank": sc_alloc_one_rank,

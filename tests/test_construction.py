@@ -46,6 +46,20 @@ def test_a_refused_constructor_argument_reaches_every_peer_at_once(world, arg, t
 
 
 @pytest.mark.parametrize("world", WORLDS)
+def test_a_refusal_before_building_reaches_every_peer_at_once(world, tmp_path_factory):
+    res = scenario("main", world, "construction_env", tmp_path_factory)
+    own = res[1]["env"]
+    assert own["arg"] and "max_rows" in own["msg"], own
+    for rank, r in enumerate(res):
+        if rank != 1:
+            e = r["env"]
+            assert e["type"] == "CPIndexError" and "failed on rank 1" in e["msg"], (rank, e)
+            assert "max_rows" in e["msg"] and e["s"] < SLACK, (rank, e)
+            _no_reset_advice(e)
+        assert r["again"]["type"] is None, (rank, r["again"])
+
+
+@pytest.mark.parametrize("world", WORLDS)
 def test_a_construction_alone_leaves_the_group_in_step(world, tmp_path_factory):
     res = scenario("main", world, "construction_alone", tmp_path_factory)
     alone = res[1]["alone"]
