@@ -134,7 +134,10 @@ def build(
             runner = Runner(bound, comm, transport, n, dev, local, gate_)
             comm.all_gather_object(True)  # built on every rank: a failure above reached all
     except BaseException as e:
-        raise _construction_error(comm, e) from None
+        err = _construction_error(comm, e)
+        if err is e:
+            raise
+        raise err from err.__cause__  # this rank's own error stays attached; a peer's has none
     return Built(
         comm, bound, dev, bound.heads_per_rank(comm.world_size), transport, local, gate_, runner
     )
