@@ -132,12 +132,13 @@ class ThreadComm:
         self._world = world
         self.rank = rank
         self.world_size = world.world_size
-        #: :func:`cpindex.comm.bounded`'s deadline for the untimed exchanges (else the world's).
+        #: Set by :func:`cpindex.comm.bounded`, and not needed here: every exchange of the
+        #: world is bounded by its own timeout already (a one-process world is a harness whose
+        #: ranks may load kernels for longer than a call's timeout).
         self.bound: Bound | None = None
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        bound = self.bound
-        return self._world.exchange(self.rank, obj, None if bound is None else bound.timeout_s)
+        return self._world.exchange(self.rank, obj)
 
     def _exchange_tensors(
         self,
@@ -174,7 +175,7 @@ class ThreadComm:
         self._exchange_tensors(inp, copy, timeout_s)
 
     def barrier(self) -> None:
-        self.all_gather_object(None)
+        self._world.exchange(self.rank, None)
 
     def rendezvous(self, key: str, payload: str, timeout_s: float) -> list[str]:
         return self._world.rendezvous(self.rank, key, payload, timeout_s)
