@@ -3,9 +3,10 @@
 Three bounded rounds of :meth:`cpindex.world.Comm.rendezvous`, each with one outcome for every
 rank (all ranks complete it, or all raise):
 
-* **construction**: every rank's shared configuration fields, the transports it would try, its
-  placement, and any error it hit preparing them. Runs before anything else is exchanged, so a
-  rank with another configuration makes every rank raise instead of hanging in a collective.
+* **construction** (:mod:`cpindex.construction`): every rank's shared configuration fields,
+  the transports it would try, its placement, and any error it hit preparing them. Runs before
+  anything else is exchanged, so a rank with another configuration makes every rank raise
+  instead of hanging in a collective.
 * **call** (transports whose calls the host identifies, i.e. ``collective``): a small header
   naming the call, exchanged before any data collective; ranks holding different headers raise
   ``OutOfStepError`` and no data collective is posted, so none is ever posted with sizes that
@@ -413,7 +414,7 @@ class ResetRounds:
         """Every rank's ``payload`` from the first round not abandoned; raises like
         :func:`exchange` when a rank does not come (it names them). A rank that refused its
         reset (a bad argument) sends ``{"refused": why}``: the others raise
-        :class:`OutOfStepError` naming it, at once (:func:`refuse_reset`)."""
+        :class:`OutOfStepError` naming it, at once (:func:`cpindex.construction.reset`)."""
         comm = self.comm
         while True:
             key = f"reset/{self.instance}/{self.next}"
