@@ -359,7 +359,7 @@ def lost_connection(
     ranks whose processes are gone (``dead``, else looked up: on one machine a dead peer's
     process is seen), or else the rank whose process serves the store, the first suspect when
     the store is unreachable."""
-    if not dead:
+    if dead is None:  # not looked for yet (a comm's CollectiveFailed has looked)
         find = getattr(comm, "dead_ranks", None)
         dead = find(grace_s=DEATH_GRACE_S) if find is not None else []
     if dead:

@@ -449,8 +449,9 @@ class CollectiveTransport(Transport):
         except (CollectiveFailed, *lockstep.DIST_ERRORS) as e:
             detail = e.detail if isinstance(e, CollectiveFailed) else f"{type(e).__name__}: {e}"
             self._half_done = f"call {self.calls}'s {what} failed ({detail})"
+            dead = e.dead if isinstance(e, CollectiveFailed) else None  # None: look for them
             raise lockstep.lost_connection(
-                self.ctx.comm, f"call {self.calls}: the {what}", detail, self.calls
+                self.ctx.comm, f"call {self.calls}: the {what}", detail, self.calls, dead
             ) from None
 
     @property
