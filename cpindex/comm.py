@@ -228,7 +228,11 @@ class TorchComm:
     :meth:`rendezvous` runs through the group's key-value store (``torch.distributed``'s
     default store, under a per-group prefix) on every backend: a handful of small requests to
     the store per round, host only, no collective posted. Without a reachable store object it
-    falls back to an unbounded ``all_gather_object``.
+    falls back to an unbounded ``all_gather_object``. Under :func:`bounded` (construction,
+    reset) ``all_gather_object`` and ``barrier`` are such rounds too, so no wait there is
+    unbounded and none posts a collective; a rank whose process is gone is named
+    (:attr:`processes`, :meth:`dead_ranks`), and a group whose collective failed or timed out
+    is marked (:attr:`half_done`): gloo would abort the process on its next collective.
     """
 
     same_process = False
