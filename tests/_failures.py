@@ -345,7 +345,9 @@ def gloo_rank(rank: int, world: int, out_dir: str) -> None:
             res[kind] = DEATHS[kind](rank, victim, save)
         except Exception:
             res[kind] = {"crash": traceback.format_exc()}
-        time.sleep(1.0)  # no survivor exits while another may still look for the dead
+    # No rank exits while another may still read the last round from the store rank 0's
+    # process serves, or still look for the dead.
+    time.sleep(1.0)
     save()
     os._exit(0)  # skip destroy_process_group: the group may have lost a rank
 
