@@ -7,95 +7,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import formats, gate, lockstep
-from .comm import Comm, TorchComm
+from . import construction, formats, gate, lockstep
+from .comm import Comm
 from .config import CPIndexConfig
-from .errors import ConfigMismatchError, CPIndexError, add_note
+from .errors import CPIndexError, add_note
 from .plan import Plan
-from .runner import SCORE, SELECT, Runner
-from .transports import Context, candidates, select
-from .transports.local import LocalPath
-
-
-def _default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _resolve_device(device: torch.device | str | None) -> torch.device:
-    """This rank's device: a CPU or an existing CUDA/HIP device (``meta`` and friends have no
-    memory to exchange)."""
-    try:
-        dev = torch.device(device) if device is not None else _default_device()
-    except RuntimeError as e:
-        raise ValueError(f"device: {e}") from None
-    if dev.type == "cpu":
-        return dev
-    if dev.type != "cuda":
-        raise ValueError(f"device: expected a cpu or cuda device, got {dev}")
-    if not torch.cuda.is_available():
-        raise ValueError(f"device: {dev} requested, but no CUDA/HIP device is visible")
-    index = torch.cuda.current_device() if dev.index is None else dev.index
-    if index >= torch.cuda.device_count():
-        raise ValueError(f"device: {dev} does not exist ({torch.cuda.device_count()} visible)")
-    return torch.device("cuda", index)
-
-
-def _agree_construction(
-    config: CPIndexConfig, comm: Comm, device: torch.device | str | None
-) -> tuple[CPIndexConfig, torch.device, list[Any], int]:
-    """Collective, bounded by ``config.timeout_s``, and before anything else is exchanged:
-    every rank's shared fields, transport candidates, placement and local preparation error.
-    Raises on every rank if any rank failed or any shared field differs. Returns the bound
-    config, the device, every rank's placement and the instance number on this group."""
-    bound, dev, error = config, None, None
-    try:
-        bound = config.with_world_size(comm.world_size)
-        dev = _resolve_device(device)
-    except ValueError as e:  # pydantic's ValidationError is one
-        error = e
-    mine = {
-        "shared": bound.shared_values(),
-        "candidates": candidates(bound),
-        "placement": None if dev is None else [dev.type, dev.index, comm.same_process],
-        "error": None if error is None else f"{type(error).__name__}: {error}",
-    }
-    n = lockstep.next_round(comm, "new")
-    reports = lockstep.exchange(
-        comm, f"new/{n}", mine, config.timeout_s, what="IndexCP construction"
-    )
-    comm.forget(f"new/{n - 1}")
-    failed = [(r, rep["error"]) for r, rep in enumerate(reports) if rep["error"]]
-    if error is not None:
-        others = [f"rank {r}: {why}" for r, why in failed if r != comm.rank]
-        if others:
-            add_note(error, "other ranks failed too: " + "; ".join(others))
-        raise error
-    if failed:
-        raise CPIndexError(
-            f"rank {comm.rank}: IndexCP construction failed on "
-            + "; ".join(f"rank {r}: {why}" for r, why in failed)
-        )
-    diffs = []
-    for field, value in mine["shared"].items():
-        values = [rep["shared"].get(field) for rep in reports]
-        if any(v != value for v in values):
-            diffs.append(f"{field}: " + ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values)))
-    if not diffs and any(rep["candidates"] != mine["candidates"] for rep in reports):
-        diffs.append(
-            "transports tried: "
-            + ", ".join(f"rank {r}: {rep['candidates']}" for r, rep in enumerate(reports))
-        )
-    if diffs:
-        local = ", ".join(sorted(CPIndexConfig.LOCAL_FIELDS))
-        raise ConfigMismatchError(
-            f"rank {comm.rank}: the ranks built IndexCP from different configurations: "
-            + "; ".join(diffs)
-            + f". Every field but {local} must be equal on every rank."
-        )
-    assert dev is not None
-    return bound, dev, [rep["placement"] for rep in reports], n
+from .runner import SCORE, SELECT
 
 
 class IndexCP:
@@ -137,27 +54,12 @@ class IndexCP:
         *,
         comm: Comm | None = None,
     ) -> None:
-        if config is not None and not isinstance(config, CPIndexConfig):
-            raise TypeError(f"config: expected CPIndexConfig, got {type(config).__name__}")
-        if comm is None:
-            comm = TorchComm(group)
-        elif group is not None:
-            raise ValueError("group: pass either group or comm, not both")
-        self.comm = comm
-        # Agree first: a rank with another config must not reach the probes' collectives.
-        self.config, self.device, placements, instance = _agree_construction(
-            config or CPIndexConfig(), comm, device
-        )
-        key = [self.device.type, self.device.index, True]
-        sharing = sum(1 for p in placements if p == key) if key[0] == "cuda" else 1
-        self.heads_per_rank = self.config.heads_per_rank(comm.world_size)
-        ctx = Context(self.config, comm, self.device, max(1, sharing))
-        self._transport = select(ctx)
-        self._local = LocalPath(ctx, self._transport)
-        self._gate = gate.resolve(self.config, comm, self.device, self._transport, self._local)
-        self._runner = Runner(
-            self.config, comm, self._transport, instance, self.device, self._local, self._gate
-        )
+        # Agreed on first, then built with every round bounded (cpindex.construction).
+        built = construction.build(config, group, device, comm)
+        self.comm, self.config, self.device = built.comm, built.config, built.device
+        self.heads_per_rank = built.heads_per_rank
+        self._transport, self._local = built.transport, built.local
+        self._gate, self._runner = built.gate, built.runner
 
     # ---- properties -----------------------------------------------------------------------
     @property
@@ -361,7 +263,7 @@ class IndexCP:
         Raises :class:`PeerConnectionError` when a peer or the group's store is gone, and
         :class:`CPIndexError` when a collective was left half done (a rank stopped inside a
         call after its peers started exchanging data): the process group must be rebuilt."""
-        self._runner.reset(timeout_s)
+        construction.reset(self._runner, timeout_s)
 
     def close(self) -> None:
         """Collective, bounded by ``timeout_s``: release buffers and peer mappings. Idempotent.

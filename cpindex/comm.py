@@ -7,8 +7,15 @@ The one-process world (:mod:`cpindex.world`) implements it with W threads of one
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import os
+import pickle
+import socket
 import time
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -34,11 +41,91 @@ class CollectiveTimeout(RuntimeError):
 
 class CollectiveFailed(RuntimeError):
     """A collective or rendezvous failed before its timeout: the backend lost a connection
-    (a peer's process died) or the store is unreachable. ``detail`` is the backend's error."""
+    (a peer's process died) or the store is unreachable. ``detail`` is the backend's error;
+    ``dead`` the ranks whose processes are known to be gone (empty when none is known)."""
 
-    def __init__(self, what: str, detail: str) -> None:
+    def __init__(self, what: str, detail: str, dead: list[int] | None = None) -> None:
         super().__init__(f"{what} failed: {detail}")
-        self.what, self.detail = what, detail
+        self.what, self.detail, self.dead = what, detail, list(dead or [])
+
+
+class PeerAborted(CollectiveFailed):
+    """A rendezvous left because rank ``rank`` gave up the work it belongs to (its construction
+    failed there) and said so with :func:`abort`: ``reason`` is its error."""
+
+    def __init__(self, what: str, rank: int, reason: str) -> None:
+        super().__init__(what, f"rank {rank} failed: {reason}")
+        self.rank, self.reason = rank, reason
+
+
+#: The round scopes :func:`abort` closes: those only construction uses (never a call's, which
+#: another instance of the group may be about to take).
+ABORT_SCOPES = ("objects", "gate")
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The deadline of a comm's untimed rounds (``all_gather_object``, ``barrier``) while
+    :func:`bounded` holds."""
+
+    timeout_s: float
+
+
+@contextlib.contextmanager
+def bounded(comm: Any, timeout_s: float) -> Iterator[None]:
+    """While inside: ``comm``'s ``all_gather_object`` and ``barrier`` are rendezvous rounds
+    bounded by ``timeout_s`` (a late or dead rank raises :class:`CollectiveTimeout` or
+    :class:`CollectiveFailed`, never a hang). A comm without a ``bound`` attribute (a caller's
+    own) is used as it is."""
+    if not hasattr(comm, "bound"):
+        yield
+        return
+    saved = comm.bound
+    comm.bound = Bound(timeout_s)
+    try:
+        yield
+    finally:
+        comm.bound = saved
+
+
+def abort(comm: Any, reason: str) -> None:
+    """Tell the peers that this rank gave up the construction under way: the next round of
+    each of :data:`ABORT_SCOPES`, where a peer may wait for this rank, ends for every rank in
+    :class:`PeerAborted` naming it (best effort: a store that is gone cannot carry it, and
+    the peers then time out)."""
+    fn = getattr(comm, "abort", None)
+    if fn is not None:
+        with contextlib.suppress(Exception):
+            fn(reason)
+
+
+def process_id() -> list[Any]:
+    """What identifies this process on its machine: host name, PID namespace and PID."""
+    try:
+        ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        ns = 0
+    return [socket.gethostname(), ns, os.getpid()]
+
+
+def process_gone(ident: list[Any] | None) -> bool:
+    """Whether the process :func:`process_id` named is known to be gone (it exited or was
+    killed; a zombie counts). False where this process cannot tell (another machine)."""
+    if not ident or list(ident[:2]) != process_id()[:2]:
+        return False
+    pid = int(ident[2])
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # another user's process: alive
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in (b"Z", b"X")
 
 
 class Comm(Protocol):
@@ -51,6 +138,8 @@ class Comm(Protocol):
     rank: int
     world_size: int
     same_process: bool  # peers' device pointers are valid here as they are
+    #: Set by :func:`bounded` (optional: a comm without it keeps its own waits).
+    bound: Bound | None
 
     def all_gather_object(self, obj: Any) -> list[Any]: ...
 
@@ -96,19 +185,35 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {first[0] if first else ''}"
 
 
-def _store_failed(what: str, e: BaseException) -> CollectiveFailed:
+def _store_failed(what: str, e: BaseException, dead: list[int] | None = None) -> CollectiveFailed:
     """A store request failed: its host (the process that created the group's store, global
     rank 0's with ``init_process_group``'s default rendezvous) is gone or unreachable."""
     return CollectiveFailed(
         what,
         "the group's key-value store is unreachable; its host (global rank 0's process, "
         f"unless a launcher hosts the store) may be gone ({_first_line(e)})",
+        dead,
     )
 
 
-#: Per process group (by name): round counters and tensor-collective arrivals, shared by every
-#: TorchComm on the group, so two instances on one group count alike and name late ranks.
-_GROUP_STATE: dict[str, dict[str, int]] = {}
+#: Per process group (the group object: a group rebuilt under the same name starts afresh):
+#: round counters and tensor-collective arrivals, shared by every TorchComm on the group, so two
+#: instances on one group count alike and name late ranks.
+_GROUP_STATE: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDictionary()
+#: Per process group: why its backend may hold a half-done collective (one that failed or timed
+#: out on this rank), after which no collective may be posted on it again.
+_GROUP_BROKEN: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+#: How long a failed collective waits for a peer's death to show before naming no one.
+DEATH_GRACE_S = 0.5
+
+
+def _payload(obj: Any) -> str:
+    return base64.b64encode(pickle.dumps(obj)).decode()
+
+
+def _unpayload(text: str) -> Any:
+    # The same trust as torch's all_gather_object, which pickles too: the group's own ranks.
+    return pickle.loads(base64.b64decode(text))
 
 
 class TorchComm:
@@ -123,10 +228,18 @@ class TorchComm:
     :meth:`rendezvous` runs through the group's key-value store (``torch.distributed``'s
     default store, under a per-group prefix) on every backend: a handful of small requests to
     the store per round, host only, no collective posted. Without a reachable store object it
-    falls back to an unbounded ``all_gather_object``.
+    falls back to an unbounded ``all_gather_object``. Under :func:`bounded` (construction,
+    reset) ``all_gather_object`` and ``barrier`` are such rounds too, so no wait there is
+    unbounded and none posts a collective; a rank whose process is gone is named
+    (:attr:`processes`, :meth:`dead_ranks`), and a group whose collective failed or timed out
+    is marked (:attr:`half_done`): gloo would abort the process on its next collective.
     """
 
     same_process = False
+    bound: Bound | None = None
+    #: Every rank's :func:`process_id` (set once construction has exchanged them), to name a
+    #: peer whose process is gone.
+    processes: list[Any] | None = None
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         if not dist.is_initialized():
@@ -138,7 +251,7 @@ class TorchComm:
         self.world_size = dist.get_world_size(self.group)
         self.backend = str(dist.get_backend(self.group))
         name = getattr(self.group, "group_name", "world")
-        self._state = _GROUP_STATE.setdefault(name, {"arrivals": 0})
+        self._state = _GROUP_STATE.setdefault(self.group, {"arrivals": 0})
         self._store = None
         try:  # private but long-standing; without it waits are unbounded and name no ranks
             base = dist.distributed_c10d._get_default_store()
@@ -150,10 +263,48 @@ class TorchComm:
     def counters(self) -> dict[str, int]:
         return self._state
 
+    @property
+    def half_done(self) -> str | None:
+        """Why this group may hold a half-done collective on this rank (no collective may be
+        posted on it again: gloo aborts the process), or None."""
+        return _GROUP_BROKEN.get(self.group)
+
     def all_gather_object(self, obj: Any) -> list[Any]:
+        bound = self.bound
+        if bound is not None and self._store is not None:  # a store round, bounded
+            n = self.counters["objects"] = self.counters.get("objects", 0) + 1
+            texts = self.rendezvous(f"objects/{n}", _payload(obj), bound.timeout_s)
+            self.forget(f"objects/{n - 1}")  # every rank is past the previous round
+            return [_unpayload(t) for t in texts]
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+    def abort(self, reason: str) -> None:
+        """See :func:`abort`. Peers can be at most one round ahead of this rank (a round ends
+        only once every rank came), so they wait in this rank's next round of a scope, if
+        anywhere: its outcome is set to the abort, and the scope moves past it on this rank
+        (the next construction's agreement moves every rank past it)."""
+        st = self._store
+        if st is None:
+            return
+        for scope in ABORT_SCOPES:
+            n = self.counters[scope] = self.counters.get(scope, 0) + 1
+            st.compare_set(f"rv/{scope}/{n}/o", "", f"abort:{self.rank}:{reason}")
+
+    def dead_ranks(self, ranks: list[int] | None = None, grace_s: float = 0.0) -> list[int]:
+        """The ranks (of ``ranks``, default all) whose processes are known to be gone, waiting
+        up to ``grace_s`` for a death to show (a closed connection comes before the exit)."""
+        procs = self.processes
+        if not procs:
+            return []
+        ranks = [r for r in (range(self.world_size) if ranks is None else ranks) if r != self.rank]
+        end = time.monotonic() + grace_s
+        while True:
+            dead = [r for r in ranks if r < len(procs) and process_gone(procs[r])]
+            if dead or time.monotonic() >= end:
+                return dead
+            time.sleep(0.02)
 
     def rendezvous(self, key: str, payload: str, timeout_s: float) -> list[str]:
         st = self._store
@@ -176,9 +327,18 @@ class TorchComm:
             if outcome == b"ok":
                 values = st.multi_get([f"{k}/{r}" for r in range(w)])
                 return [v.decode() for v in values]
+            if outcome.startswith(b"abort:"):  # a rank gave up the work (abort())
+                rank, _, reason = outcome.decode()[len("abort:") :].partition(":")
+                raise PeerAborted(what, int(rank), reason)
             late = [r for r in range(w) if not st.check([f"{k}/{r}"])]
+        except CollectiveFailed:
+            raise
         except RuntimeError as e:  # torch's DistNetworkError/DistStoreError and kin
-            raise _store_failed(what, e) from None
+            raise _store_failed(what, e, self.dead_ranks(grace_s=DEATH_GRACE_S)) from None
+        dead = self.dead_ranks(late)
+        if dead:  # not late: gone
+            who = ", ".join(map(str, dead))
+            raise CollectiveFailed(what, f"the process of rank {who} is gone", dead)
         if waited_out:
             raise CollectiveTimeout(what, late)
         raise CollectiveTimeout(
@@ -220,8 +380,11 @@ class TorchComm:
         try:
             work.wait(timedelta(seconds=timeout_s))
         except RuntimeError as e:
+            # Failed or waited out, the collective may be half done in the backend for good.
+            _GROUP_BROKEN.setdefault(self.group, f"its {what} failed ({_first_line(e)})")
             if time.monotonic() - t0 < 0.9 * timeout_s:  # not a timeout: a lost connection
-                raise CollectiveFailed(what, _first_line(e)) from None
+                dead = self.dead_ranks(grace_s=DEATH_GRACE_S)
+                raise CollectiveFailed(what, _first_line(e), dead) from None
             late = []
             if st is not None:
                 try:
@@ -256,4 +419,7 @@ class TorchComm:
         )
 
     def barrier(self) -> None:
+        if self.bound is not None and self._store is not None:
+            self.all_gather_object(None)
+            return
         dist.barrier(group=self.group)

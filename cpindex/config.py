@@ -11,6 +11,7 @@ import difflib
 import hashlib
 import json
 import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
@@ -317,8 +318,22 @@ class CPIndexConfig(BaseModel):
         """
         p = Path(path)
         suffix = _suffix(p)
-        with p.open("rb") as f:  # read past the bound by one byte only, whatever the file is
-            raw = f.read(MAX_CONFIG_FILE_BYTES + 1)
+        # Opened without blocking, and a FIFO (or socket, or directory) refused before any read:
+        # a FIFO with no writer would block open() or read() for good. Devices are read up to
+        # the bound like files.
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or stat.S_ISDIR(mode):
+            os.close(fd)
+            raise ValueError(
+                f"config file {p} is a FIFO, socket or directory; pass the path of a regular "
+                ".json or .yaml file"
+            )
+        with os.fdopen(fd, "rb") as f:  # read past the bound by one byte only
+            try:
+                raw = f.read(MAX_CONFIG_FILE_BYTES + 1) or b""
+            except BlockingIOError:  # a device with nothing to read now (a terminal)
+                raise ValueError(f"config file {p}: nothing to read without waiting") from None
         if len(raw) > MAX_CONFIG_FILE_BYTES:
             raise ValueError(
                 f"config file {p} is larger than {MAX_CONFIG_FILE_BYTES:,} bytes; a config "

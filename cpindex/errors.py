@@ -38,9 +38,11 @@ class OutOfStepError(CPIndexError):
 class PeerConnectionError(CPIndexError):
     """The backend lost its connection to a peer (its process died, or the network dropped)
     or to the group's key-value store: the message carries the backend's own error and names
-    the rank whose process serves the store (``peer``; -1 when there is none). Not a timeout:
-    it is raised as soon as the backend reports it. The instance refuses calls until
-    :meth:`cpindex.IndexCP.reset`, which fails too while the peer is gone."""
+    the rank whose process is gone where that shows on this machine (``peer``), else the rank
+    whose process serves the store (``peer``; -1 when there is none). Not a timeout: it is
+    raised as soon as the backend reports it (a dead peer on this machine is also named when a
+    wait for it runs out). The instance refuses calls until :meth:`cpindex.IndexCP.reset`,
+    which fails too while the peer is gone."""
 
     def __init__(self, message: str, *, rank: int, call: int, phase: str, peer: int = -1) -> None:
         super().__init__(message)

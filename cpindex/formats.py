@@ -135,6 +135,10 @@ def _check_write(
     device = cache_device(cache)
     if not isinstance(keys, Tensor) or keys.dtype not in _KEY_DTYPES:
         raise TypeError(f"keys: expected a bf16/fp16/fp32 tensor, got {_describe(keys)}")
+    for arg, t in (("keys", keys), ("slot_mapping", slot_mapping)):
+        if isinstance(t, Tensor) and (t.is_nested or t.layout != torch.strided):
+            kind = "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
+            raise TypeError(f"{arg}: expected a dense (strided) tensor, got a {kind} one")
     if keys.dim() != 2 or keys.shape[1] != HEAD_DIM:
         raise ValueError(f"keys: expected shape [tokens, 128], got {list(keys.shape)}")
     if not isinstance(slot_mapping, Tensor) or slot_mapping.dtype not in (

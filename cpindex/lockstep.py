@@ -3,9 +3,10 @@
 Three bounded rounds of :meth:`cpindex.world.Comm.rendezvous`, each with one outcome for every
 rank (all ranks complete it, or all raise):
 
-* **construction**: every rank's shared configuration fields, the transports it would try, its
-  placement, and any error it hit preparing them. Runs before anything else is exchanged, so a
-  rank with another configuration makes every rank raise instead of hanging in a collective.
+* **construction** (:mod:`cpindex.construction`): every rank's shared configuration fields,
+  the transports it would try, its placement, and any error it hit preparing them. Runs before
+  anything else is exchanged, so a rank with another configuration makes every rank raise
+  instead of hanging in a collective.
 * **call** (transports whose calls the host identifies, i.e. ``collective``): a small header
   naming the call, exchanged before any data collective; ranks holding different headers raise
   ``OutOfStepError`` and no data collective is posted, so none is ever posted with sizes that
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .comm import CollectiveFailed, CollectiveTimeout, Comm
+from .comm import DEATH_GRACE_S, CollectiveFailed, CollectiveTimeout, Comm, PeerAborted
 from .errors import OutOfStepError, PeerConnectionError, PeerTimeoutError
 from .plan import Call
 
@@ -330,8 +331,10 @@ def exchange(
             call=call_no,
             phase=what,
         ) from None
+    except PeerAborted:
+        raise  # construction's own: it names the failed rank (cpindex.construction)
     except CollectiveFailed as e:
-        raise lost_connection(comm, str(what), e.detail, call_no) from None
+        raise lost_connection(comm, str(what), e.detail, call_no, e.dead) from None
     except DIST_ERRORS as e:  # a store request the comm did not wrap
         raise lost_connection(comm, str(what), f"{type(e).__name__}: {e}", call_no) from None
 
@@ -349,9 +352,26 @@ def store_host(comm: Comm) -> int | None:
     return host
 
 
-def lost_connection(comm: Comm, what: str, detail: str, call_no: int = 0) -> PeerConnectionError:
-    """The :class:`PeerConnectionError` for a lost store or peer during ``what``: names the
-    rank whose process serves the store, the first suspect when the store is unreachable."""
+def lost_connection(
+    comm: Comm, what: str, detail: str, call_no: int = 0, dead: list[int] | None = None
+) -> PeerConnectionError:
+    """The :class:`PeerConnectionError` for a lost store or peer during ``what``. Names the
+    ranks whose processes are gone (``dead``, else looked up: on one machine a dead peer's
+    process is seen), or else the rank whose process serves the store, the first suspect when
+    the store is unreachable."""
+    if dead is None:  # not looked for yet (a comm's CollectiveFailed has looked)
+        find = getattr(comm, "dead_ranks", None)
+        dead = find(grace_s=DEATH_GRACE_S) if find is not None else []
+    if dead:
+        who = ", ".join(map(str, dead))
+        return PeerConnectionError(
+            f"rank {comm.rank}: {what}: lost the connection to rank {who}: its process is gone "
+            f"({detail}). The group cannot be used again: rebuild it.",
+            rank=comm.rank,
+            call=call_no,
+            phase=what,
+            peer=dead[0],
+        )
     host = store_host(comm)
     where = (
         f"the group's store (served by rank {host}'s process: if that rank died, every rank "
@@ -392,7 +412,9 @@ class ResetRounds:
 
     def meet(self, payload: Any, timeout_s: float, *, what: str) -> list[Any]:
         """Every rank's ``payload`` from the first round not abandoned; raises like
-        :func:`exchange` when a rank does not come (it names them)."""
+        :func:`exchange` when a rank does not come (it names them). A rank that refused its
+        reset (a bad argument) sends ``{"refused": why}``: the others raise
+        :class:`OutOfStepError` naming it, at once (:func:`cpindex.construction.reset`)."""
         comm = self.comm
         while True:
             key = f"reset/{self.instance}/{self.next}"
@@ -415,13 +437,23 @@ class ResetRounds:
                     phase=what,
                 ) from None
             except CollectiveFailed as e:
-                raise lost_connection(comm, what, e.detail) from None
+                raise lost_connection(comm, what, e.detail, dead=e.dead) from None
             except DIST_ERRORS as e:
                 raise lost_connection(comm, what, f"{type(e).__name__}: {e}") from None
             # Every rank has entered every round up to this one: the earlier ones can go.
             for old in self._met[:-1]:
                 comm.forget(old)
             self._met = self._met[-1:]
+            refused = [(r, rep["refused"]) for r, rep in enumerate(reports) if "refused" in rep]
+            if refused and not (isinstance(payload, dict) and "refused" in payload):
+                who = "; ".join(f"rank {r}: {why}" for r, why in refused)
+                raise OutOfStepError(
+                    f"rank {comm.rank}: {what}: refused by {who}. Every rank raised; the "
+                    "instance stays broken: call reset() again on every rank.",
+                    rank=comm.rank,
+                    peer=refused[0][0],
+                    call=0,
+                )
             return reports
 
 

@@ -74,7 +74,9 @@ def static_blocks(block_table: object, width: object) -> int | None:
             width = block_table.shape[1]
         if isinstance(width, bool) or not isinstance(width, int):
             return None
-        return int(block_table.shape[0]) * width
+        requests = int(block_table.shape[0])
+        # Sizes no call may have (width < 1, no request): a refusal the peers must hear of.
+        return requests * width if requests >= 1 and width >= 1 else None
     except Exception:
         return None
 

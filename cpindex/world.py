@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .comm import CollectiveTimeout, Comm, _bytes
+from .comm import Bound, CollectiveTimeout, Comm, _bytes
 from .errors import add_note
 
 T = TypeVar("T")
@@ -132,6 +132,10 @@ class ThreadComm:
         self._world = world
         self.rank = rank
         self.world_size = world.world_size
+        #: Set by :func:`cpindex.comm.bounded`, and not needed here: every exchange of the
+        #: world is bounded by its own timeout already (a one-process world is a harness whose
+        #: ranks may load kernels for longer than a call's timeout).
+        self.bound: Bound | None = None
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         return self._world.exchange(self.rank, obj)

@@ -141,39 +141,47 @@ class CollectiveTransport(Transport):
         #: GPU agreement rides on the query all-gather (module docstring); set up below.
         self.agreement: DeviceAgreement | None = None
         want_agreement = dev.type == "cuda" and cfg.fingerprint
-        self._elem = torch.empty(0, dtype=self.qdtype).element_size()
-        q_bytes = cfg.max_rows * hpr * cfg.head_dim * self._elem
-        self._q = torch.empty(w * (q_bytes + TRAILER), dtype=torch.uint8, device=dev)
-        self._shard = torch.empty(cfg.num_heads * cfg.max_rows * kw, device=dev)
-        self._recv = torch.empty(w * hpr * cfg.max_rows * kw, device=dev)
-        self._out = torch.empty(hpr * cfg.max_rows * cfg.max_width, device=dev)
-        self._out_views: Memo[torch.Tensor] = Memo()
-        self._share_views: Memo[_ShareViews] = Memo()
-        self._cand = torch.empty(
-            w * hpr * cfg.max_rows * cfg.max_topk, dtype=torch.int64, device=dev
-        )
-        self._selected = selection.Outputs(cfg, hpr, dev)
-        # The kernel's selection (topk up to MAX_FUSED_TOPK): its send buffer and views.
-        fused_topk = min(cfg.max_topk, structs.MAX_FUSED_TOPK)
-        self._cand_send = torch.empty(
-            w * hpr * cfg.max_rows * fused_topk, dtype=torch.int64, device=dev
-        )
-        self._select: Memo[_SelectViews] = Memo()
-        # Column k of rank r's shard is block r + W*k; its keys' low bits, made once.
-        self._low = selection.id_bits(torch.arange(kw, device=dev) * w + ctx.rank)
-        # Which of the shard's heads go to each destination (replicated heads: d % H).
-        self._send_heads = (
-            None
-            if cfg.num_heads >= w
-            else torch.tensor([d % cfg.num_heads for d in range(w)], device=dev)
-        )
+        # Allocation can fail on any rank (memory, limits): every rank learns it in the round
+        # below, so none is left waiting and every rank raises the same error.
+        error = None
+        try:
+            self._elem = torch.empty(0, dtype=self.qdtype).element_size()
+            q_bytes = cfg.max_rows * hpr * cfg.head_dim * self._elem
+            self._q = torch.empty(w * (q_bytes + TRAILER), dtype=torch.uint8, device=dev)
+            self._shard = torch.empty(cfg.num_heads * cfg.max_rows * kw, device=dev)
+            self._recv = torch.empty(w * hpr * cfg.max_rows * kw, device=dev)
+            self._out = torch.empty(hpr * cfg.max_rows * cfg.max_width, device=dev)
+            self._out_views: Memo[torch.Tensor] = Memo()
+            self._share_views: Memo[_ShareViews] = Memo()
+            self._cand = torch.empty(
+                w * hpr * cfg.max_rows * cfg.max_topk, dtype=torch.int64, device=dev
+            )
+            self._selected = selection.Outputs(cfg, hpr, dev)
+            # The kernel's selection (topk up to MAX_FUSED_TOPK): its send buffer and views.
+            fused_topk = min(cfg.max_topk, structs.MAX_FUSED_TOPK)
+            self._cand_send = torch.empty(
+                w * hpr * cfg.max_rows * fused_topk, dtype=torch.int64, device=dev
+            )
+            self._select: Memo[_SelectViews] = Memo()
+            # Column k of rank r's shard is block r + W*k; its keys' low bits, made once.
+            self._low = selection.id_bits(torch.arange(kw, device=dev) * w + ctx.rank)
+            # Which of the shard's heads go to each destination (replicated heads: d % H).
+            self._send_heads = (
+                None
+                if cfg.num_heads >= w
+                else torch.tensor([d % cfg.num_heads for d in range(w)], device=dev)
+            )
+        except Exception as e:
+            error = (
+                f"allocating its buffers ({cfg.buffer_bytes(w):,} bytes) failed: "
+                f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            )
         self.calls = 0
         self._half_done: str | None = None  # a data collective that did not finish everywhere
         self.scorer = None
         self.monitor = None
-        error = None
         try:
-            if dev.type == "cuda":
+            if error is None and dev.type == "cuda":
                 self.monitor = ErrorMonitor(dev, ctx.rank)
                 if want_agreement:
                     self.agreement = DeviceAgreement(w, ctx.rank, cfg.num_heads, dev, q_bytes)
@@ -441,8 +449,9 @@ class CollectiveTransport(Transport):
         except (CollectiveFailed, *lockstep.DIST_ERRORS) as e:
             detail = e.detail if isinstance(e, CollectiveFailed) else f"{type(e).__name__}: {e}"
             self._half_done = f"call {self.calls}'s {what} failed ({detail})"
+            dead = e.dead if isinstance(e, CollectiveFailed) else None  # None: look for them
             raise lockstep.lost_connection(
-                self.ctx.comm, f"call {self.calls}: the {what}", detail, self.calls
+                self.ctx.comm, f"call {self.calls}: the {what}", detail, self.calls, dead
             ) from None
 
     @property
