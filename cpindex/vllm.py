@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import api, formats
+from . import api, construction, formats
 from .api import get, shutdown
 from .config import CPIndexConfig
 from .plan import Plan
@@ -59,19 +59,24 @@ class IndexCP:
 
     def __init__(self, rank: int, group: dist.ProcessGroup | None, device: Any, max_rows: int,
                  max_width: int, *, comm: Any = None) -> None:  # fmt: skip
-        if isinstance(rank, bool) or not hasattr(rank, "__index__"):
-            raise TypeError(f"rank: expected an int, got {type(rank).__name__}")
-        if comm is not None and group is not None:
-            raise ValueError("group: pass either group or comm, not both")
-        if comm is None and not dist.is_initialized():
-            raise ValueError("group: torch.distributed is not initialized (init_process_group)")
-        actual = int(comm.rank) if comm is not None else dist.get_rank(group)
-        if actual < 0:
-            raise ValueError("group: this process is not a member of the given process group")
-        if operator.index(rank) != actual:
-            raise ValueError(f"rank: got {rank}, but this process is rank {actual} of the group")
-        world = int(comm.world_size) if comm is not None else dist.get_world_size(group)
-        config = CPIndexConfig.from_env(num_heads=world, max_rows=max_rows, max_width=max_width)
+        try:  # a refusal is still a round: the peers raise at once (construction.refuse)
+            if isinstance(rank, bool) or not hasattr(rank, "__index__"):
+                raise TypeError(f"rank: expected an int, got {type(rank).__name__}")
+            if comm is not None and group is not None:
+                raise ValueError("group: pass either group or comm, not both")
+            if comm is None and not dist.is_initialized():
+                raise ValueError("group: torch.distributed is not initialized (init_process_group)")
+            actual = int(comm.rank) if comm is not None else dist.get_rank(group)
+            if actual < 0:
+                raise ValueError("group: this process is not a member of the given process group")
+            if operator.index(rank) != actual:
+                raise ValueError(
+                    f"rank: got {rank}, but this process is rank {actual} of the group"
+                )
+            world = int(comm.world_size) if comm is not None else dist.get_world_size(group)
+            config = CPIndexConfig.from_env(num_heads=world, max_rows=max_rows, max_width=max_width)
+        except (TypeError, ValueError) as e:
+            construction.refuse(e, group=group, comm=comm)
         self.cp = api.IndexCP(config, group, device, comm=comm)  #: the wrapped instance
         self._plan: Plan | None = None
         self._key: tuple = ()
