@@ -40,6 +40,26 @@ typedef uint32_t cp_lanemask_t;
 #else
 #define CP_USE_MMA 0
 #endif
+// The matrix-core path (MFMA, mfma.h) is what HIP builds take: CDNA3 (gfx940-942) and CDNA4
+// (gfx950), wave64. -DCP_PORTABLE=1 builds the scalar path instead (other AMD GPUs; the
+// launcher's build does that for them). Like CP_USE_MMA, the choice is the same in the host and
+// device passes; only the device pass knows the arch, and checks it.
+#if defined(CP_HIP) && !defined(CP_PORTABLE)
+#define CP_MFMA 1
+#if defined(__HIP_DEVICE_COMPILE__) && !defined(__gfx940__) && !defined(__gfx941__) && \
+    !defined(__gfx942__) && !defined(__gfx950__)
+#error "cpindex's MFMA path is for gfx942 and gfx950 (build with -DCP_PORTABLE=1 for other AMD GPUs)"
+#endif
+#else
+#define CP_MFMA 0
+#endif
+// CDNA3's fp8 MFMA reads FNUZ bytes, CDNA4's OCP e4m3 (mfma.h says how fn bytes score as FNUZ).
+#if defined(__gfx940__) || defined(__gfx941__) || defined(__gfx942__)
+#define CP_FP8_FNUZ 1
+#else
+#define CP_FP8_FNUZ 0
+#endif
+
 // Native fp8 -> f16x2 conversion (cvt.rn.f16x2.e4m3x2) exists from sm_89.
 #if defined(CP_CUDA) && !defined(CP_PORTABLE) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
 #define CP_NATIVE_FP8 1
