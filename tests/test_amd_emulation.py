@@ -62,6 +62,8 @@ def build_harness(directory: Path) -> ctypes.CDLL:
     lib.cp_fnuz_from_fn.argtypes = [ctypes.c_uint32]
     lib.cp_e4m3.restype = ctypes.c_float
     lib.cp_e4m3.argtypes = [ctypes.c_uint32, ctypes.c_int]
+    lib.cp_mfma_model.restype = None
+    lib.cp_mfma_model.argtypes = [ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 3
     lib.cp_mfma_layout.restype = None
     lib.cp_mfma_layout.argtypes = [ctypes.c_int] * 4 + [ctypes.POINTER(ctypes.c_int)] * 2
     return lib
@@ -125,9 +127,7 @@ def emulate(
                     if split:  # a split page: four one-tile parts, their maxima combined
                         val.fill_(float("-inf"))
                         for t_first in range(4):
-                            rc = lib.cp_emulate_page(
-                                *args, t_first, 1, SM_SCALE, part.data_ptr()
-                            )
+                            rc = lib.cp_emulate_page(*args, t_first, 1, SM_SCALE, part.data_ptr())
                             assert rc == 0
                             torch.maximum(val, part, out=val)
                     else:

@@ -193,3 +193,15 @@ extern "C" int cp_emulate_page(int fmt, int fnuz, int nt, const uint8_t* page, i
 extern "C" uint32_t cp_fnuz_from_fn(uint32_t w) { return fnuz_from_fn(w); }
 // The host model's e4m3 decoding (fnuz: CDNA3's operands).
 extern "C" float cp_e4m3(uint32_t b, int fnuz) { return e4m3((uint8_t)b, fnuz != 0); }
+
+// One MFMA of the model on a wave's registers: a, b [64] (8 fp8 bytes or 4 bf16 a lane), d
+// [64][4] in place (D = A x B + D).
+extern "C" void cp_mfma_model(int fp8, int fnuz, const uint64_t* a, const uint64_t* b, float* d) {
+  uint64_t aa[64], bb[64];
+  float dd[64][4];
+  memcpy(aa, a, sizeof aa), memcpy(bb, b, sizeof bb), memcpy(dd, d, sizeof dd);
+  if (!fp8) HostWave<false>().mma<false>(aa, bb, dd);
+  else if (fnuz) HostWave<true>().mma<true>(aa, bb, dd);
+  else HostWave<false>().mma<true>(aa, bb, dd);
+  memcpy(d, dd, sizeof dd);
+}
