@@ -60,6 +60,11 @@ def sources_digest() -> str:
     return h.hexdigest()[:12]
 
 
+#: AMD architectures the matrix-core (MFMA) path is built for (CDNA3, CDNA4); a HIP build for
+#: any other AMD GPU takes the portable path (compat.h, CP_MFMA).
+MFMA_ARCHS = ("gfx940", "gfx941", "gfx942", "gfx950")
+
+
 def build_defines(arch: str, *, portable: bool = False) -> list[str]:
     """The macros a build for ``arch`` compiles with: ``CP_WGMMA=1`` on sm_90 (Hopper builds
     sm_90a, whose four-tile instances use the warpgroup mma; docs/kernel.md), none elsewhere or
@@ -87,10 +92,13 @@ def _write_once(path: Path, text: str) -> Path:
 def load(device: torch.device | None = None, *, portable: bool = False) -> ModuleType:
     """The compiled extension for ``device``'s architecture (built on first use).
 
-    ``portable=True`` builds the scalar path AMD runs (no tensor-core mma) on CUDA, so that path
-    is tested on NVIDIA hardware too.
+    ``portable=True`` builds the scalar path (no tensor-core mma or MFMA) on CUDA, so that path
+    is tested on NVIDIA hardware too. On ROCm, gfx942 and gfx950 build the MFMA path; other
+    AMD GPUs always build the portable one.
     """
     arch = device_arch(device)
+    if torch.version.hip and arch not in MFMA_ARCHS:
+        portable = True  # the MFMA path's instructions are CDNA3/CDNA4 ones
     key = (arch, portable)
     with _lock:
         if key in _modules:
