@@ -19,6 +19,7 @@ selection, and instruction scheduling, timing and register allocation.
 from __future__ import annotations
 
 import ctypes
+import functools
 import shutil
 import subprocess
 from pathlib import Path
@@ -74,6 +75,12 @@ def harness(tmp_path_factory) -> ctypes.CDLL:
     return build_harness(tmp_path_factory.mktemp("mfma"))
 
 
+@functools.cache
+def lut8() -> torch.Tensor:
+    """The nvfp4 e4m3 table the kernel keeps in shared memory (launcher.nvfp4_lut's tail)."""
+    return nvfp4_lut()[4096:].contiguous()
+
+
 def query_tiles(vectors: int) -> int:
     """score.hip's query_tiles on the MFMA build."""
     return 1 if vectors <= 8 else 2 if vectors <= 16 else 4
@@ -94,7 +101,6 @@ def emulate(
     nt = query_tiles(vectors)
     q = prob.q.contiguous()
     elem = q.element_size()
-    lut8 = nvfp4_lut()[4096:].contiguous()
     if prob.fmt == "nvfp4":
         kv, ks = formats.nvfp4_views(prob.index_cache)
         fid = structs.NVFP4_NARROW if kv.stride(1) % 16 else structs.FORMAT_IDS["nvfp4"]
@@ -122,7 +128,7 @@ def emulate(
                 full = int(limit - (t - 1) >= formats.PAGE_TOKENS)
                 for v0 in range(0, vectors, 8 * nt):
                     args = [fid, ARCHS[arch], nt, kv_ptr + page * kv_page, kv_tok]
-                    args += [ks_ptr + page * ks_page if ks_ptr else None, ks_tok, lut8.data_ptr()]
+                    args += [ks_ptr + page * ks_page if ks_ptr else None, ks_tok, lut8().data_ptr()]
                     args += [q_base, formats.HEAD_DIM * elem, vectors, heads, t, v0, limit, full]
                     if split:  # a split page: four one-tile parts, their maxima combined
                         val.fill_(float("-inf"))
