@@ -34,7 +34,7 @@ def tables() -> dict:
 
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory) -> ctypes.CDLL:
-    return build_harness(tmp_path_factory.mktemp("mfma_model"))
+    return build_harness(tmp_path_factory.getbasetemp())
 
 
 def test_the_kernel_issues_only_modelled_instructions():
