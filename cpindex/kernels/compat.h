@@ -124,11 +124,20 @@ CP_DEVICE void cp_syncwarp() {
 }
 
 // ---- loads -------------------------------------------------------------------------------------
+#if defined(CP_HIP)
+// p as a global-memory pointer: clang 19 (gfx942) keeps a generic pointer's loads as flat_load,
+// which also count as LDS accesses, so every wait for them waits for the LDS reads too.
+template <typename T>
+CP_DEVICE const __attribute__((address_space(1))) T* cp_global(const void* p) {
+  return (const __attribute__((address_space(1))) T*)p;
+}
+#endif
+
 // Key pages are streamed once per call: read-only, no reuse, 16 bytes per lane.
 CP_DEVICE uint4 cp_load_stream16(const void* p) {
 #if defined(CP_HIP)
   typedef uint32_t u32x4 __attribute__((ext_vector_type(4)));
-  const u32x4 v = __builtin_nontemporal_load(reinterpret_cast<const u32x4*>(p));
+  const u32x4 v = __builtin_nontemporal_load(cp_global<u32x4>(p));
   return make_uint4(v.x, v.y, v.z, v.w);
 #else
   uint4 v;
@@ -359,7 +368,7 @@ CP_DEVICE void cp_e2m1x8_lut_e4m3_f16x2x4(uint32_t w, uint2 e8, uint32_t (&out)[
 // tile's mma instead of issuing it with the batch's other loads.
 CP_DEVICE uint32_t cp_load_stream2(const void* p) {
 #if defined(CP_HIP)
-  return __builtin_nontemporal_load(reinterpret_cast<const uint16_t*>(p));
+  return __builtin_nontemporal_load(cp_global<uint16_t>(p));
 #else
   uint16_t v;
   asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(v) : "l"(p));
@@ -372,7 +381,7 @@ CP_DEVICE uint32_t cp_load_stream2(const void* p) {
 CP_DEVICE uint2 cp_load_stream8(const void* p) {
 #if defined(CP_HIP)
   typedef uint32_t u32x2 __attribute__((ext_vector_type(2)));
-  const u32x2 v = __builtin_nontemporal_load(reinterpret_cast<const u32x2*>(p));
+  const u32x2 v = __builtin_nontemporal_load(cp_global<u32x2>(p));
   return make_uint2(v.x, v.y);
 #else
   uint2 v;

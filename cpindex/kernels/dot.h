@@ -203,7 +203,8 @@ struct DeviceWave {
   CP_DEVICE void load_query(const uint8_t* p, uint32_t (&w)[kWords]) {
 #pragma unroll
     for (int i = 0; i < kWords / 2; ++i) {
-      const uint2 v = *reinterpret_cast<const uint2*>(p + 8 * i);
+      typedef uint32_t u32x2 __attribute__((ext_vector_type(2)));
+      const u32x2 v = *cp_global<u32x2>(p + 8 * i);
       w[2 * i] = v.x, w[2 * i + 1] = v.y;
     }
   }
