@@ -83,7 +83,10 @@ struct Frag<kFP8> {
   static constexpr int kWords = 8;  // the lane's 32 bytes: dims 32G .. 32G + 31
   static constexpr int kLoads = 2;  // 16-byte loads
   static constexpr bool kFp8 = true;
-  static constexpr int kBatch = 8;  // M-tiles loaded before their math (64 words a lane)
+  // M-tiles loaded before their math: 8 KiB a wave in flight (32 words a lane), far above what
+  // an HBM channel's latency needs at 3 or more waves a SIMD, which these register counts allow
+  // (the batch of a whole page took some 200 registers, so 2 waves).
+  static constexpr int kBatch = 4;
   CP_HOST_DEVICE static int key_byte(int G) { return 32 * G; }
 };
 
@@ -93,7 +96,7 @@ struct Frag<kBF16> {
   static constexpr int kWords = 16;  // the lane's 64 bytes: dims 32G .. 32G + 31
   static constexpr int kLoads = 4;
   static constexpr bool kFp8 = false;
-  static constexpr int kBatch = 4;
+  static constexpr int kBatch = 2;  // 8 KiB a wave, as fp8
   CP_HOST_DEVICE static int key_byte(int G) { return 64 * G; }
 };
 
@@ -106,7 +109,7 @@ struct Frag<kNVFP4> {
   static constexpr int kWords = 4;
   static constexpr int kLoads = 1;
   static constexpr bool kFp8 = true;
-  static constexpr int kBatch = 8;
+  static constexpr int kBatch = 4;  // 4.5 KiB a wave with the scales
   CP_HOST_DEVICE static int key_byte(int G) { return 16 * G; }
   CP_HOST_DEVICE static int scale_byte(int G) { return 2 * G; }
 };
