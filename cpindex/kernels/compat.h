@@ -28,10 +28,11 @@ typedef uint64_t cp_lanemask_t;
 typedef uint32_t cp_lanemask_t;
 #endif
 
-// The tensor-core path (mma.sync m16n8k16, sm_80+) is CUDA only. The portable path computes the
-// same fragments with scalar fp32 FMAs; -DCP_PORTABLE=1 forces it on CUDA so the code AMD runs is
-// exercised on the H200 too. The choice must not depend on __CUDA_ARCH__: the host pass and the
-// device pass have to agree on which kernel templates exist.
+// The tensor-core path (mma.sync m16n8k16, sm_80+) is CUDA only; AMD builds take the MFMA path
+// (CP_MFMA below). The portable path computes the same fragments with scalar fp32 FMAs: the
+// fallback for other AMD GPUs, and -DCP_PORTABLE=1 forces it on CUDA so that it stays tested.
+// The choice must not depend on __CUDA_ARCH__: the host pass and the device pass have to agree
+// on which kernel templates exist.
 #if defined(CP_CUDA) && !defined(CP_PORTABLE)
 #define CP_USE_MMA 1
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800

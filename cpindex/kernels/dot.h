@@ -1,5 +1,6 @@
 // dot.h: the dot products of a 16-token tile with a pass's query vectors (mma.sync,
-// the warpgroup mma, or scalar FMAs on the portable path).
+// the warpgroup mma, or scalar FMAs on the portable path), and the AMD matrix-core path's wave
+// and query operands (its page loop is mfma.h's).
 // Part of the scoring kernel's one translation unit: only score.hip includes it.
 #pragma once
 #include "keys.h"

@@ -20,7 +20,8 @@
 // The parts, in the order they build on each other: config.h (shared constants),
 // keys.h (formats), dot.h (tile dot products), waits.h (error word, bounded waits), page.h
 // (one page), select.h (select_blocks' selection), write.h (the key writer, its own kernel); this
-// file holds the scoring kernel and its launcher.
+// file holds the scoring kernel and its launcher. AMD builds score pages with the matrix cores
+// through mfma.h (its fragment code also compiles for the host: tests/test_amd_emulation.py).
 #include <atomic>
 #include <type_traits>
 
