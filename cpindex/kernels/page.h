@@ -98,6 +98,7 @@ CP_DEVICE void score_page(const ScoreParams& p, const uint8_t* page, const uint8
                           int limit, bool full, const Cuts<NT>& cuts, const QueryFrag<NT, W>& q,
                           const float*, const uint4*, const uint2* lut8, int g, int c, int t_first,
                           float (&val)[NT][2]) {
+  static_assert(kTileTokens == 2 * mfma::kTileM, "a tile is two MFMA tiles (the emulator's too)");
   DeviceWave w{4 * g + c};
   const int64_t stride = kFp4<F> ? p.kv_token_stride : Fmt<F>::kTokenBytes;
   float v[1][NT][2];
