@@ -76,6 +76,11 @@ def sources_digest() -> str:
     return h.hexdigest()[:12]
 
 
+#: AMD architectures the matrix-core (MFMA) path is built for (CDNA3, CDNA4); a HIP build for
+#: any other AMD GPU takes the portable path (compat.h, CP_MFMA).
+MFMA_ARCHS = ("gfx940", "gfx941", "gfx942", "gfx950")
+
+
 def build_defines(arch: str, *, portable: bool = False) -> list[str]:
     """The macros a build for ``arch`` compiles with: ``CP_WGMMA=1`` on sm_90 (Hopper builds
     sm_90a, whose four-tile instances use the warpgroup mma; docs/kernel.md), none elsewhere or
@@ -106,6 +111,7 @@ def build_flags(arch: str, fmt: str | None = None, *, portable: bool = False) ->
         raise ValueError(
             f"fmt: expected one of {[f for f in FORMAT_BITS if f]} or None, got {fmt!r}"
         )
+    portable = portable or (arch.startswith("gfx") and arch not in MFMA_ARCHS)
     flags = ["-O3", "-std=c++17"] + (["-DCP_PORTABLE=1"] if portable else [])
     flags += [f"-D{d}" for d in build_defines(arch, portable=portable)]
     return [*flags, f"-DCP_FORMATS={FORMAT_BITS[fmt]}"]
@@ -193,10 +199,13 @@ def load(
     key writer, merge, agreement hash, peer memory and streams): every module holds them, so a
     format's module already loaded here serves, else the base module (no scoring instance).
 
-    ``portable=True`` builds the scalar path AMD runs (no tensor-core mma) on CUDA, so that path
-    is tested on NVIDIA hardware too.
+    ``portable=True`` builds the scalar path (no tensor-core mma or MFMA) on CUDA, so that path
+    is tested on NVIDIA hardware too. On ROCm, gfx942 and gfx950 build the MFMA path; other
+    AMD GPUs always build the portable one.
     """
     arch = device_arch(device)
+    if arch.startswith("gfx") and arch not in MFMA_ARCHS:
+        portable = True  # the MFMA path's instructions are CDNA3/CDNA4 ones
     with _lock:
         mod = _modules.get((arch, fmt, portable))
         if mod is None and fmt is None and not portable:

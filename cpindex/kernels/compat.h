@@ -28,10 +28,11 @@ typedef uint64_t cp_lanemask_t;
 typedef uint32_t cp_lanemask_t;
 #endif
 
-// The tensor-core path (mma.sync m16n8k16, sm_80+) is CUDA only. The portable path computes the
-// same fragments with scalar fp32 FMAs; -DCP_PORTABLE=1 forces it on CUDA so the code AMD runs is
-// exercised on the H200 too. The choice must not depend on __CUDA_ARCH__: the host pass and the
-// device pass have to agree on which kernel templates exist.
+// The tensor-core path (mma.sync m16n8k16, sm_80+) is CUDA only; AMD builds take the MFMA path
+// (CP_MFMA below). The portable path computes the same fragments with scalar fp32 FMAs: the
+// fallback for other AMD GPUs, and -DCP_PORTABLE=1 forces it on CUDA so that it stays tested.
+// The choice must not depend on __CUDA_ARCH__: the host pass and the device pass have to agree
+// on which kernel templates exist.
 #if defined(CP_CUDA) && !defined(CP_PORTABLE)
 #define CP_USE_MMA 1
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
@@ -40,6 +41,26 @@ typedef uint32_t cp_lanemask_t;
 #else
 #define CP_USE_MMA 0
 #endif
+// The matrix-core path (MFMA, mfma.h) is what HIP builds take: CDNA3 (gfx940-942) and CDNA4
+// (gfx950), wave64. -DCP_PORTABLE=1 builds the scalar path instead (other AMD GPUs; the
+// launcher's build does that for them). Like CP_USE_MMA, the choice is the same in the host and
+// device passes; only the device pass knows the arch, and checks it.
+#if defined(CP_HIP) && !defined(CP_PORTABLE)
+#define CP_MFMA 1
+#if defined(__HIP_DEVICE_COMPILE__) && !defined(__gfx940__) && !defined(__gfx941__) && \
+    !defined(__gfx942__) && !defined(__gfx950__)
+#error "cpindex's MFMA path is for gfx942 and gfx950 (build with -DCP_PORTABLE=1 for other AMD GPUs)"
+#endif
+#else
+#define CP_MFMA 0
+#endif
+// CDNA3's fp8 MFMA reads FNUZ bytes, CDNA4's OCP e4m3 (mfma.h says how fn bytes score as FNUZ).
+#if defined(__gfx940__) || defined(__gfx941__) || defined(__gfx942__)
+#define CP_FP8_FNUZ 1
+#else
+#define CP_FP8_FNUZ 0
+#endif
+
 // Native fp8 -> f16x2 conversion (cvt.rn.f16x2.e4m3x2) exists from sm_89.
 #if defined(CP_CUDA) && !defined(CP_PORTABLE) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
 #define CP_NATIVE_FP8 1
@@ -104,11 +125,20 @@ CP_DEVICE void cp_syncwarp() {
 }
 
 // ---- loads -------------------------------------------------------------------------------------
+#if defined(CP_HIP)
+// p as a global-memory pointer: clang 19 (gfx942) keeps a generic pointer's loads as flat_load,
+// which also count as LDS accesses, so every wait for them waits for the LDS reads too.
+template <typename T>
+CP_DEVICE const __attribute__((address_space(1))) T* cp_global(const void* p) {
+  return (const __attribute__((address_space(1))) T*)p;
+}
+#endif
+
 // Key pages are streamed once per call: read-only, no reuse, 16 bytes per lane.
 CP_DEVICE uint4 cp_load_stream16(const void* p) {
 #if defined(CP_HIP)
   typedef uint32_t u32x4 __attribute__((ext_vector_type(4)));
-  const u32x4 v = __builtin_nontemporal_load(reinterpret_cast<const u32x4*>(p));
+  const u32x4 v = __builtin_nontemporal_load(cp_global<u32x4>(p));
   return make_uint4(v.x, v.y, v.z, v.w);
 #else
   uint4 v;
@@ -339,7 +369,7 @@ CP_DEVICE void cp_e2m1x8_lut_e4m3_f16x2x4(uint32_t w, uint2 e8, uint32_t (&out)[
 // tile's mma instead of issuing it with the batch's other loads.
 CP_DEVICE uint32_t cp_load_stream2(const void* p) {
 #if defined(CP_HIP)
-  return __builtin_nontemporal_load(reinterpret_cast<const uint16_t*>(p));
+  return __builtin_nontemporal_load(cp_global<uint16_t>(p));
 #else
   uint16_t v;
   asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(v) : "l"(p));
@@ -352,7 +382,7 @@ CP_DEVICE uint32_t cp_load_stream2(const void* p) {
 CP_DEVICE uint2 cp_load_stream8(const void* p) {
 #if defined(CP_HIP)
   typedef uint32_t u32x2 __attribute__((ext_vector_type(2)));
-  const u32x2 v = __builtin_nontemporal_load(reinterpret_cast<const u32x2*>(p));
+  const u32x2 v = __builtin_nontemporal_load(cp_global<u32x2>(p));
   return make_uint2(v.x, v.y);
 #else
   uint2 v;

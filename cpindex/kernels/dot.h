@@ -1,5 +1,6 @@
 // dot.h: the dot products of a 16-token tile with a pass's query vectors (mma.sync,
-// the warpgroup mma, or scalar FMAs on the portable path).
+// the warpgroup mma, or scalar FMAs on the portable path), and the AMD matrix-core path's wave
+// and query operands (its page loop is mfma.h's).
 // Part of the scoring kernel's one translation unit: only score.hip includes it.
 #pragma once
 #include "keys.h"
@@ -177,6 +178,76 @@ CP_DEVICE void tile_dot(const uint32_t (&k0)[16], const uint32_t (&k1)[16],
                                 q.pairs[u][2 * s], q.pairs[u][2 * s + 1]);
     }
   }
+}
+#elif CP_MFMA
+// The MFMA path (mfma.h): one lane of the wave per thread; its loads, matrix instructions and
+// cross-lane reads. The emulator (tests/amd/harness.cpp) has a host wave with the same members.
+struct DeviceWave {
+  static constexpr int kN = 1;
+  int lane_;
+  CP_DEVICE int lane(int) const { return lane_; }
+  template <int F>
+  CP_DEVICE void load_key(const uint8_t* p, uint32_t (&w)[mfma::Frag<F>::kWords]) {
+    if constexpr (F == kNVFP4Narrow) {  // vLLM's 72-byte tokens: 8-byte aligned
+      const uint2 a = cp_load_stream8(p), b = cp_load_stream8(p + 8);
+      w[0] = a.x, w[1] = a.y, w[2] = b.x, w[3] = b.y;
+    } else {
+#pragma unroll
+      for (int l = 0; l < mfma::Frag<F>::kLoads; ++l) {
+        const uint4 v = cp_load_stream16(p + 16 * l);
+        w[4 * l] = v.x, w[4 * l + 1] = v.y, w[4 * l + 2] = v.z, w[4 * l + 3] = v.w;
+      }
+    }
+  }
+  CP_DEVICE uint32_t load2(const uint8_t* p) { return cp_load_stream2(p); }
+  template <int kWords>  // query rows: 8-byte aligned loads, once per item
+  CP_DEVICE void load_query(const uint8_t* p, uint32_t (&w)[kWords]) {
+#pragma unroll
+    for (int i = 0; i < kWords / 2; ++i) {
+      typedef uint32_t u32x2 __attribute__((ext_vector_type(2)));
+      const u32x2 v = *cp_global<u32x2>(p + 8 * i);
+      w[2 * i] = v.x, w[2 * i + 1] = v.y;
+    }
+  }
+  // d += a x b: v_mfma_f32_16x16x32_fp8_fp8 (fp8) or v_mfma_f32_16x16x16_bf16
+  template <bool kFp8>
+  CP_DEVICE void mma(const uint64_t (&a)[1], const uint64_t (&b)[1], float (&d)[1][4]) {
+    typedef float v4f __attribute__((ext_vector_type(4)));
+    typedef short v4s __attribute__((ext_vector_type(4)));
+    v4f acc = {d[0][0], d[0][1], d[0][2], d[0][3]};
+    if constexpr (kFp8)
+      acc = __builtin_amdgcn_mfma_f32_16x16x32_fp8_fp8((long)a[0], (long)b[0], acc, 0, 0, 0);
+    else
+      acc = __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(__builtin_bit_cast(v4s, a[0]),
+                                                      __builtin_bit_cast(v4s, b[0]), acc, 0, 0, 0);
+    d[0][0] = acc[0], d[0][1] = acc[1], d[0][2] = acc[2], d[0][3] = acc[3];
+  }
+  CP_DEVICE void shfl_xor(const float (&x)[1], int mask, float (&y)[1]) {
+    y[0] = cp_shfl_xor(x[0], mask);
+  }
+  CP_DEVICE void shfl(const float (&x)[1], const int (&src)[1], float (&y)[1]) {
+    y[0] = cp_shfl(x[0], src[0]);
+  }
+};
+
+// The pass's B operands: lane l holds vectors v0 + 16 nb + l % 16 (mfma.h, prepare_operands).
+template <int NT, bool W>
+struct QueryFrag {
+  uint64_t b[1][mfma::kNTiles<NT>][mfma::kMaxSteps];
+};
+
+template <int F, int NT, bool W>
+CP_DEVICE void prepare_query(const ScoreParams& p, const Vecs& vs, int req, int v0, int g, int c,
+                             QueryFrag<NT, W>& q, float*) {
+  DeviceWave w{4 * g + c};
+  auto row = [&](int v) -> const uint8_t* {
+    if (v >= vs.count) return nullptr;
+    const int t = div_small(v, p.heads_magic), h = v - t * vs.heads;
+    const int src = div_small(h, p.q_src_magic), in_src = h - src * p.q_heads_per_src;
+    return p.q + (int64_t)src * p.q_src_stride + (int64_t)(req * vs.query_len + t) * p.q_row_stride +
+           in_src * kHeadDim * (Fmt<F>::kBf16 ? 2 : 1);
+  };
+  mfma::prepare_operands<F, CP_FP8_FNUZ, NT>(w, v0, row, q.b);
 }
 #else
 template <int NT, bool W>

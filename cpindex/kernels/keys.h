@@ -3,6 +3,9 @@
 // Part of the scoring kernel's one translation unit: only score.hip includes it.
 #pragma once
 #include "config.h"
+#if CP_MFMA
+#include "mfma.h"
+#endif
 
 namespace cpindex {
 namespace {
@@ -112,6 +115,13 @@ CP_DEVICE uint32_t word(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? 
 // warp; there the integer pipe alone is faster.
 template <int NT, bool W>
 constexpr int kNvfp4Cvt = CP_NATIVE_FP8 && (W || NT < 4) ? 2 : 0;
+
+// Which nvfp4 tables a CTA holds in shared memory: the f16 bytes (every path but the MFMA one)
+// and the e4m3 bytes (the MFMA path, and the words kNvfp4Cvt sends through the conversion unit).
+template <int F>
+constexpr bool kLut16 = kFp4<F> && !CP_MFMA;
+template <int F, int NT, bool W>
+constexpr bool kLut8 = kFp4<F> && (CP_MFMA || kNvfp4Cvt<NT, W> > 0);
 
 // Token s of a loaded tile as 16 packed pairs (bf16x2 for bf16, f16x2 otherwise). For nvfp4,
 // lut and lut8 are the CTA's tables: entry s of lut holds the f16 high and low bytes of the 8

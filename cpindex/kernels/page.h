@@ -7,12 +7,41 @@
 namespace cpindex {
 namespace {
 
+#if CP_MFMA
+// Per-lane causal cuts of a pass: the lane's vector of each N-tile (mfma.h, pass_cuts).
+template <int NT>
+struct Cuts {
+  int cut[1][mfma::kNTiles<NT>];
+};
+
+template <int NT>
+CP_DEVICE Cuts<NT> pass_cuts(const ScoreParams& p, int v0, int lane) {
+  Cuts<NT> cuts;
+  const DeviceWave w{lane};
+  mfma::pass_cuts<NT>(w, v0, p.query_len, [&](int v) { return div_small(v, p.heads_magic); },
+                      cuts.cut);
+  return cuts;
+}
+#else
 // Per-lane causal cuts of a pass: vector (u, e) = pass vector 8u + 2c + e belongs to query token
 // t, whose causal length is the request's minus (T - 1 - t). cut[u][e] = T - 1 - t.
 template <int NT>
 struct Cuts {
   int cut[NT][2];
 };
+
+template <int NT>
+CP_DEVICE Cuts<NT> pass_cuts(const ScoreParams& p, int v0, int lane) {
+  const int c = lane & 3;
+  Cuts<NT> cuts;
+#pragma unroll
+  for (int u = 0; u < NT; ++u)
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+      cuts.cut[u][e] = p.query_len - 1 - div_small(v0 + kVecsPerTile * u + 2 * c + e, p.heads_magic);
+  return cuts;
+}
+#endif
 
 // acc holds tokens tok and tok + kGroups; a token at or past its row's causal length never
 // counts. limit = tokens of this page the request's last row sees; full: every row sees all 128.
@@ -61,6 +90,25 @@ CP_DEVICE void init_max(float (&m)[NT][4]) {
   for (int u = 0; u < NT; ++u) m[u][0] = m[u][1] = m[u][2] = m[u][3] = ninf;
 }
 
+#if CP_MFMA
+// kTiles tiles of the page from tile t_first (a whole page, or a warp's part of a split page)
+// through the matrix cores: mfma.h's score_tiles, with this lane as the wave.
+template <int F, int NT, bool W, int kTiles>
+CP_DEVICE void score_page(const ScoreParams& p, const uint8_t* page, const uint8_t* scale_page,
+                          int limit, bool full, const Cuts<NT>& cuts, const QueryFrag<NT, W>& q,
+                          const float*, const uint4*, const uint2* lut8, int g, int c, int t_first,
+                          float (&val)[NT][2]) {
+  static_assert(kTileTokens == 2 * mfma::kTileM, "a tile is two MFMA tiles (the emulator's too)");
+  DeviceWave w{4 * g + c};
+  const int64_t stride = kFp4<F> ? p.kv_token_stride : Fmt<F>::kTokenBytes;
+  float v[1][NT][2];
+  mfma::score_tiles<F, CP_FP8_FNUZ, NT, kTiles * kTileTokens / mfma::kTileM>(
+      w, page, stride, scale_page, p.ks_token_stride, reinterpret_cast<const uint32_t*>(lut8), q.b,
+      t_first * kTileTokens, limit, full, cuts.cut, p.scale, v);
+#pragma unroll
+  for (int u = 0; u < NT; ++u) val[u][0] = v[0][u][0], val[u][1] = v[0][u][1];
+}
+#else
 // kTiles tiles of the page from tile t_first (a whole page, or a warp's part of a split page).
 template <int F, int NT, bool W, int kTiles>
 CP_DEVICE void score_page(const ScoreParams& p, const uint8_t* page, const uint8_t* scale_page,
@@ -99,6 +147,7 @@ CP_DEVICE void score_page(const ScoreParams& p, const uint8_t* page, const uint8
   }
   finish_page<NT>(p, m, val);
 }
+#endif
 
 // A page of a stream: its key bytes, the tokens of it the request's last row sees (limit) and
 // whether every row sees all 128 (full).

@@ -20,7 +20,8 @@
 // The parts, in the order they build on each other: config.h (shared constants),
 // keys.h (formats), dot.h (tile dot products), waits.h (error word, bounded waits), page.h
 // (one page), select.h (select_blocks' selection), write.h (the key writer, its own kernel); this
-// file holds the scoring kernel and its launcher.
+// file holds the scoring kernel and its launcher. AMD builds score pages with the matrix cores
+// through mfma.h (its fragment code also compiles for the host: tests/test_amd_emulation.py).
 #include <atomic>
 #include <type_traits>
 
@@ -127,7 +128,7 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   const int lane = threadIdx.x % CP_WARP, warp = threadIdx.x / CP_WARP;
   const int g = lane >> 2, c = lane & 3;
   const bool push = ps.calls != nullptr;
-#if CP_USE_MMA
+#if CP_USE_MMA || CP_MFMA
   float* q_smem = nullptr;
 #else
   __shared__ float q_all[kWarpsPerCta][kVecsPerTile * kHeadDim];
@@ -137,8 +138,8 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   extern __shared__ __align__(128) uint8_t ring_all[];  // the warps' rings (kDynSmem bytes)
   uint8_t* ring = ring_all + warp * kWarpRingBytes<F, S>;
 #endif
-  __shared__ uint4 lut[kFp4<F> ? 256 : 1];
-  __shared__ uint2 lut8[kFp4<F> && kNvfp4Cvt<NT, W> > 0 ? 256 : 1];
+  __shared__ uint4 lut[kLut16<F> ? 256 : 1];
+  __shared__ uint2 lut8[kLut8<F, NT, W> ? 256 : 1];
   // A group's maxima until it is written: per warp, or per CTA where the warps share a group.
   // A split page's warp keeps a row per part it scored (two where two warps share a page).
   constexpr int kStashRows = kGroupMax > 2 ? kGroupMax : 2;  // per warp
@@ -163,8 +164,8 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   for (int r = 0; r < kLutLoads; ++r) {
     const int i = threadIdx.x + r * kThreads;
     if (i < 256) {
-      lut_ld[r] = reinterpret_cast<const uint4*>(p.fp4_lut)[i];
-      if constexpr (kNvfp4Cvt<NT, W> > 0) lut8_ld[r] = reinterpret_cast<const uint2*>(p.fp4_lut + 4096)[i];
+      if constexpr (kLut16<F>) lut_ld[r] = reinterpret_cast<const uint4*>(p.fp4_lut)[i];
+      if constexpr (kLut8<F, NT, W>) lut8_ld[r] = reinterpret_cast<const uint2*>(p.fp4_lut + 4096)[i];
     }
   }
   // An earlier call failed and the host raises at its next check. A pushed call stops here so
@@ -175,8 +176,8 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
   for (int r = 0; r < kLutLoads; ++r) {
     const int i = threadIdx.x + r * kThreads;
     if (i < 256) {
-      lut[i] = lut_ld[r];
-      if constexpr (kNvfp4Cvt<NT, W> > 0) lut8[i] = lut8_ld[r];
+      if constexpr (kLut16<F>) lut[i] = lut_ld[r];
+      if constexpr (kLut8<F, NT, W>) lut8[i] = lut8_ld[r];
     }
   }
   if (threadIdx.x == 0) cta_failed = 0, hash_part = 0ull;
@@ -336,13 +337,7 @@ __global__ void CP_BOUNDS score_kernel(const ScoreParams p, const PushState ps) 
                        limit, limit - (p.query_len - 1) >= kPageTokens};
       };
       for (int v0 = 0; v0 < vs.count; v0 += per_pass) {
-        Cuts<NT> cuts;
-#pragma unroll
-        for (int u = 0; u < NT; ++u)
-#pragma unroll
-          for (int e = 0; e < 2; ++e)
-            cuts.cut[u][e] =
-                p.query_len - 1 - div_small(v0 + kVecsPerTile * u + 2 * c + e, p.heads_magic);
+        const Cuts<NT> cuts = pass_cuts<NT>(p, v0, lane);
         if (reads > 0) {
           if (i != cur_req || v0 != cur_v0) {
             prepare_query<F, NT, W>(p, vs, i, v0, g, c, q, q_smem);
@@ -524,7 +519,7 @@ __global__ void __launch_bounds__(kFingerprintThreads)
 // fragment, so more than 4 tiles take several passes instead (the later passes find the page in
 // L2).
 int query_tiles(int vectors) {
-#if CP_USE_MMA
+#if CP_USE_MMA || CP_MFMA
   return vectors <= 8 ? 1 : vectors <= 16 ? 2 : 4;
 #else
   (void)vectors;
@@ -582,7 +577,7 @@ int launch_format(const ScoreParams& p, const PushState* push, bool wgmma, int s
   if constexpr (!format_built(F)) return -1; else  // not in this module: nothing instantiated
   switch (query_tiles(p.query_len * p.num_heads)) {
     case 1: return launch_nt<F, 1, false>(p, push, split, grid, stream);
-#if CP_USE_MMA
+#if CP_USE_MMA || CP_MFMA
     case 2: return launch_nt<F, 2, false>(p, push, split, grid, stream);
 #if CP_WGMMA
     case 4: return wgmma ? launch_nt<F, 4, true>(p, push, 0, grid, stream)
@@ -618,7 +613,7 @@ int occupancy_format(int vectors, bool wgmma, int split, int* ctas) {
   if constexpr (!format_built(F)) return -1; else
   switch (query_tiles(vectors)) {
     case 1: return occupancy_nt<F, 1, false>(split, ctas);
-#if CP_USE_MMA
+#if CP_USE_MMA || CP_MFMA
     case 2: return occupancy_nt<F, 2, false>(split, ctas);
 #if CP_WGMMA
     case 4: return wgmma ? occupancy_nt<F, 4, true>(0, ctas)
