@@ -86,11 +86,14 @@ class IndexCP:
         """How :attr:`cp_min_blocks` was resolved (source and the model's inputs)."""
         return self._gate
 
-    def uses_cp(self, plan_or_sizes: Plan | tuple[int, int]) -> bool:
-        """Whether calls with this plan, or of ``(requests, width)``, go context-parallel.
-        Static sizes only: the same answer on every rank and at every graph replay."""
+    def uses_cp(self, plan_or_sizes: Plan | tuple[int, int], op: str = SCORE) -> bool:
+        """Whether ``op`` calls (``"score_push"`` or ``"select_blocks"``, each with its own
+        threshold) with this plan, or of ``(requests, width)``, go context-parallel. Static
+        sizes only: the same answer on every rank and at every graph replay."""
+        if op not in (SCORE, SELECT):
+            raise ValueError(f"op: expected 'score_push' or 'select_blocks', got {op!r}")
         if isinstance(plan_or_sizes, Plan):
-            return self._gate.uses_cp(plan_or_sizes.blocks)
+            return self._gate.uses_cp(plan_or_sizes.blocks, op)
         if (
             not isinstance(plan_or_sizes, tuple)
             or len(plan_or_sizes) != 2
@@ -103,7 +106,7 @@ class IndexCP:
         requests, width = plan_or_sizes
         if requests < 1 or width < 1:
             raise ValueError(f"plan_or_sizes: requests and width must be >= 1, got {plan_or_sizes}")
-        return self._gate.uses_cp(requests * width)
+        return self._gate.uses_cp(requests * width, op)
 
     @property
     def rank(self) -> int:

@@ -229,6 +229,9 @@ class CPIndexConfig(BaseModel):
           2 per rank).
         * ``select_blocks`` results (``selection.Outputs``): int32 ids and float32 scores,
           ``[heads_per_rank, max_rows, max_topk]`` each.
+        * on a GPU, the path below the CP gate's own int64 candidates for its fused selection,
+          ``[heads_per_rank, max_rows, min(max_topk, 16)]`` (``transports/local.py``); counted
+          everywhere, so the figure is the same on every rank and device.
         """
         w = world_size or self.world_size or 1
         hpr = self.heads_per_rank(w)
@@ -242,7 +245,8 @@ class CPIndexConfig(BaseModel):
         send = w * hpr * rows * min(self.max_topk, MAX_FUSED_TOPK) * 8
         collective = w * (q_rank + 16) + shards + out + cand + send + kw * 8 + 64 + 2 * w
         select = hpr * rows * self.max_topk * 8
-        return max(peer, collective) + select
+        local = hpr * rows * min(self.max_topk, MAX_FUSED_TOPK) * 8
+        return max(peer, collective) + select + local
 
     def shared_values(self) -> dict[str, Any]:
         """The fields every rank must agree on (all but :attr:`LOCAL_FIELDS`), by name."""
