@@ -125,7 +125,8 @@ def _free_port() -> int:
 
 def test_the_getting_started_step_runs_as_written(tmp_path):
     """docs/usage.md's first Python block as written, a world of one process on the CPU, its
-    last selection checked against the reference."""
+    last selection checked against the reference; then the graph-capture and drop-in blocks
+    that the page adds to it."""
     text = (ROOT / "docs" / "usage.md").read_text()
     m = re.search(r"^## Getting started\n.*?```python\n(.*?)```", text, re.S | re.M)
     assert m, "docs/usage.md: no Python block under '## Getting started'"
@@ -136,7 +137,16 @@ def test_the_getting_started_step_runs_as_written(tmp_path):
         " local_blocks=1, width=block_table.shape[1], query_len=T, topk=16)\n"
         "assert torch.equal(ids, want), (ids, want)\n"
     )
-    _run_one_rank(tmp_path, code.replace("\ncp.close()", "\n" + check + "cp.close()", 1))
+    extra = _block(text, "Graph capture") + _block(text, "Swapping in for the seed")
+    _run_one_rank(tmp_path, code.replace("\ncp.close()", "\n" + check + extra + "cp.close()", 1))
+
+
+def _block(text: str, section: str) -> str:
+    """The first Python block of usage.md's section ``section`` (one added to the
+    getting-started script before its ``cp.close()``, as the page says)."""
+    m = re.search(rf"^## {re.escape(section)}.*?\n.*?```python\n(.*?)```", text, re.S | re.M)
+    assert m, f"docs/usage.md: no Python block under '## {section}'"
+    return m.group(1)
 
 
 def test_the_readme_example_runs_as_written(tmp_path):
