@@ -1,5 +1,6 @@
 """The user docs against the code: every public name in the API reference, every relative link
-resolving, the line budgets, and the getting-started step of docs/usage.md running as written."""
+resolving, the line budgets, and the README's example and the getting-started step of
+docs/usage.md running as written."""
 
 from __future__ import annotations
 
@@ -124,7 +125,8 @@ def _free_port() -> int:
 
 def test_the_getting_started_step_runs_as_written(tmp_path):
     """docs/usage.md's first Python block as written, a world of one process on the CPU, its
-    last selection checked against the reference."""
+    last selection checked against the reference; then the graph-capture and drop-in blocks
+    that the page adds to it."""
     text = (ROOT / "docs" / "usage.md").read_text()
     m = re.search(r"^## Getting started\n.*?```python\n(.*?)```", text, re.S | re.M)
     assert m, "docs/usage.md: no Python block under '## Getting started'"
@@ -135,8 +137,30 @@ def test_the_getting_started_step_runs_as_written(tmp_path):
         " local_blocks=1, width=block_table.shape[1], query_len=T, topk=16)\n"
         "assert torch.equal(ids, want), (ids, want)\n"
     )
+    extra = _block(text, "Graph capture") + _block(text, "Swapping in for the seed")
+    _run_one_rank(tmp_path, code.replace("\ncp.close()", "\n" + check + extra + "cp.close()", 1))
+
+
+def _block(text: str, section: str) -> str:
+    """The first Python block of usage.md's section ``section`` (one added to the
+    getting-started script before its ``cp.close()``, as the page says)."""
+    m = re.search(rf"^## {re.escape(section)}.*?\n.*?```python\n(.*?)```", text, re.S | re.M)
+    assert m, f"docs/usage.md: no Python block under '## {section}'"
+    return m.group(1)
+
+
+def test_the_readme_example_runs_as_written(tmp_path):
+    """README.md's Python block as written, a world of one process on the CPU."""
+    text = (ROOT / "README.md").read_text()
+    m = re.search(r"^## Use\n.*?```python\n(.*?)```", text, re.S | re.M)
+    assert m, "README.md: no Python block under '## Use'"
+    _run_one_rank(tmp_path, m.group(1))
+
+
+def _run_one_rank(tmp_path: Path, code: str) -> None:
+    """Runs ``code`` as rank 0 of a one-process gloo world, CPU only; it must print 'rank 0:'."""
     script = tmp_path / "step.py"
-    script.write_text(code.replace("\ncp.close()", "\n" + check + "cp.close()", 1))
+    script.write_text(code)
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     env.update(MASTER_PORT=str(_free_port()), CUDA_VISIBLE_DEVICES="")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
