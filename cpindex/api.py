@@ -150,8 +150,10 @@ class IndexCP:
 
         Raises:
             TypeError, ValueError: bad input, naming the argument. With peers, above the CP
-                gate, this counts as this rank refusing its next call: the peers' next call
-                raises at once, and this instance refuses calls until :meth:`reset`.
+                gate, this counts as this rank refusing its next call: its peers raise too (at once
+                on ``collective``; on ``ipc``/``mori`` their kernels find this rank late,
+                ``PeerTimeoutError`` within ``timeout_s``), and this instance refuses calls
+                until :meth:`reset`.
         """
         return self._runner.plan(block_table, seq_lens, query_len, init_blocks, local_blocks, width)
 
@@ -192,7 +194,8 @@ class IndexCP:
             TypeError, ValueError: bad input (a changed plan included), naming the argument,
                 before anything is launched. Below the CP gate, or with one rank, the call is
                 not made and the instance stays usable; otherwise the call still counts, the
-                peers raise at once, and the instance refuses calls until :meth:`reset`.
+                peers raise too (at once on ``collective``, within ``timeout_s`` on
+                ``ipc``/``mori``), and the instance refuses calls until :meth:`reset`.
             OutOfStepError, PeerTimeoutError, PeerConnectionError: the ranks are not making
                 the same call (another tag, shape, block table or lengths), a peer did not
                 come within ``timeout_s``, or a peer is gone.

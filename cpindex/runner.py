@@ -164,12 +164,20 @@ class Runner:
                 local_blocks=local_blocks, width=width,
             )  # fmt: skip
         except (TypeError, ValueError) as e:
-            peers_wait = self.uses_cp(static_blocks(block_table, width))
-            if self.world > 1 and self.broken is None and peers_wait:
-                with self._locked("plan"):
-                    self.calls += 1
-                    self.refuse("plan", e)
+            self.refuse_input("plan", e, block_table, width)
             raise
+
+    def refuse_input(self, what: str, error: BaseException, block_table: object, width: object):
+        """This rank refuses its next call for a bad argument found before the call (by
+        :meth:`plan`, or by the drop-in's own checks): with peers, above the CP gate, that call
+        still counts and the peers are told, so every rank raises instead of some waiting out
+        ``timeout_s``. Below the gate no peer waits for that call: the refusal is this rank's
+        alone and the instance stays usable."""
+        peers_wait = self.uses_cp(static_blocks(block_table, width))
+        if self.world > 1 and self.broken is None and peers_wait:
+            with self._locked(what):
+                self.calls += 1
+                self.refuse(what, error)
 
     # ---- the call ---------------------------------------------------------------------------
     @contextlib.contextmanager

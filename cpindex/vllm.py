@@ -55,7 +55,8 @@ class IndexCP:
     of ``group``, outside capture). ``rank`` must be this process's rank in ``group`` (``None``:
     the world); ``comm`` replaces ``group`` in the one-process world. The configuration is
     ``CPIndexConfig.from_env(num_heads=W, max_rows=max_rows, max_width=max_width)``. Raises
-    ``ValueError`` for a wrong ``rank`` (before anything is exchanged) or configuration."""
+    ``ValueError`` for a wrong ``rank`` or configuration, after telling the peers (their
+    construction raises at once; the group stays usable for the next one)."""
 
     def __init__(self, rank: int, group: dist.ProcessGroup | None, device: Any, max_rows: int,
                  max_width: int, *, comm: Any = None) -> None:  # fmt: skip
@@ -95,7 +96,8 @@ class IndexCP:
         """This rank's head's scores, float32 ``[1, rows, width]``: a view valid until the next
         call. ``grid`` is accepted and ignored (the kernel sizes its grid; a positive value
         warns once). Bad ``grid``, or rows not ``requests * T`` with ``T <= max_query_len``:
-        refused here, before anything is exchanged; the rest as in
+        refused before any launch, as the rank's refusal of its call (with peers above the CP
+        gate: the peers raise too and the instance needs ``reset()``); the rest as in
         :meth:`cpindex.IndexCP.score_push`."""
         plan = self._plan_for(iq, block_table, seq_lens, init_blocks, local_blocks, width, grid)
         return self.cp.score_push(iq, index_cache, plan, tag=self._tag(index_cache, tag))
@@ -114,6 +116,27 @@ class IndexCP:
     def _plan_for(
         self, iq: Any, block_table: Any, seq_lens: Any, init: Any, local: Any, width: Any, grid: Any
     ) -> Plan:
+        try:  # a refusal here is the rank's refusal of its call: the peers are told
+            t = self._query_len(iq, block_table, grid)
+        except (TypeError, ValueError) as e:
+            self.cp._runner.refuse_input("score_push", e, block_table, width)
+            raise
+        key = (t, init, local, width, type(init), type(local), type(width))  # True is not 1
+        p = self._plan
+        if (
+            p is None
+            or key != self._key
+            or p.block_table is not block_table
+            or p.seq_lens is not seq_lens
+            or p.checked != p.record()  # resized in place since
+        ):
+            p = self.cp.plan(block_table, seq_lens, query_len=t, init_blocks=init,
+                             local_blocks=local, width=width)  # fmt: skip
+            self._plan, self._key = p, key
+        return p
+
+    def _query_len(self, iq: Any, block_table: Any, grid: Any) -> int:
+        """T, the query rows per request, from the seed's arguments (which carry no T)."""
         if isinstance(grid, bool) or not isinstance(grid, int):
             raise TypeError(f"grid: expected an int, got {type(grid).__name__}")
         if grid < 0:
@@ -140,19 +163,7 @@ class IndexCP:
                 f"iq, block_table: T = {t} query rows per request, more than "
                 f"max_query_len={most} (CPINDEX_MAX_QUERY_LEN)"
             )
-        key = (t, init, local, width, type(init), type(local), type(width))  # True is not 1
-        p = self._plan
-        if (
-            p is None
-            or key != self._key
-            or p.block_table is not block_table
-            or p.seq_lens is not seq_lens
-            or p.checked != p.record()  # resized in place since
-        ):
-            p = self.cp.plan(block_table, seq_lens, query_len=t, init_blocks=init,
-                             local_blocks=local, width=width)  # fmt: skip
-            self._plan, self._key = p, key
-        return p
+        return t
 
     def _tag(self, index_cache: Any, tag: int | None) -> int | None:
         """``tag`` if given, else the number of this cache object (see the module docstring)."""

@@ -136,9 +136,9 @@ def _run_rank(group: dist.ProcessGroup | None) -> dict:
         "b": b.clone(),
     }
 
-    # Refused before anything is exchanged: rows not a multiple of the requests, T past
-    # max_query_len, a bad grid. The next good call then runs without a reset (an exchange
-    # started and abandoned would have left the instance broken).
+    # Refused before any launch: rows not a multiple of the requests, T past max_query_len, a
+    # bad grid. Each is this rank's refusal of its call, told to the peers (every rank refuses
+    # alike here), so the instance refuses calls until reset() on every rank.
     good = problem(world, 4, 30)
     iq, cache, bt, sl = _args(good, rank, world)
     res["bad_ratio"] = _error(lambda: cp.score_push(iq[:-1], cache, bt, sl, 0, 1, good.width))
@@ -153,6 +153,7 @@ def _run_rank(group: dist.ProcessGroup | None) -> dict:
     )  # fmt: skip
     res["grid_negative"] = _error(lambda: cp.score_push(iq, cache, bt, sl, 0, 1, good.width, -1))
     res["grid_float"] = _error(lambda: cp.score_push(iq, cache, bt, sl, 0, 1, good.width, 2.0))
+    cp.cp.reset()
     _poison(cp)
     res["after_refusals"] = cp.score_push(iq, cache, bt, sl, 0, 1, good.width).clone()
     with warnings.catch_warnings(record=True) as caught:
