@@ -94,7 +94,7 @@ def fake_gpu_layer() -> Iterator[None]:
     def plain_zeros(*args: object, pin_memory: bool = False, **kw: object) -> torch.Tensor:
         return zeros(*args, **kw)
 
-    launcher.load = lambda device=None, portable=False: NoOpBinding()  # type: ignore[assignment]
+    launcher.load = lambda *args, **kwargs: NoOpBinding()  # type: ignore[assignment]
     launcher.device_arch = lambda device=None: "sm_90"  # type: ignore[assignment]
     h200 = SimpleNamespace(multi_processor_count=132, name="NVIDIA H200")
     torch.cuda.get_device_properties = lambda d=None: h200  # type: ignore[assignment]

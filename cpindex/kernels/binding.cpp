@@ -6,6 +6,7 @@
 // allocation and IPC handles live here too: on ROCm torch's allocator cannot give the uncached
 // (fine-grained) memory that cross-GPU flags need, so one small path serves both vendors.
 #include <torch/extension.h>
+#include <pybind11/stl.h>  // instances(): a list of tuples
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
