@@ -554,9 +554,9 @@ int occupancy_instance(int* ctas) {
   return (int)cp_occupancy(ctas, score_kernel<F, NT, W, S>, kThreads, kDynSmem<F, S>);
 }
 
-// The instances a module holds (kernels/variants.py, instances(), states the same list and the
-// build checks the two agree): its formats' (CP_FORMATS) whole pages and both splits of one
-// query tile, of two and four on the tensor-core and matrix-core paths, and the four-tile
+// The instances a module holds (kernels/variants.py's instances() states the same list; the
+// build checks that they agree): for its formats (CP_FORMATS), whole pages and both splits of
+// one query tile, and of two and four on the tensor-core and matrix-core paths; the four-tile
 // warpgroup-mma instance on sm_90a. Each split is its own instance: a runtime split count would
 // cost the four-warp instance registers and code in its page loop.
 template <int F, int NT, bool W, int S>
