@@ -76,13 +76,7 @@ class NoOpBinding:
     def merge(self, *args: object) -> None:
         return None
 
-    def has_wgmma(self, vectors: int) -> bool:
-        return False
-
-    def split_warps(self, fmt: int) -> int:
-        return 2
-
-    def occupancy(self, fmt: int, vectors: int, wgmma: bool, split: int) -> int:
+    def occupancy(self, fmt: int, tiles: int, wgmma: bool, split: int) -> int:
         return 8
 
     def host_device_pointer(self, ptr: int) -> int:
@@ -91,15 +85,17 @@ class NoOpBinding:
 
 @contextlib.contextmanager
 def fake_gpu_layer() -> Iterator[None]:
-    """While constructing: the no-op binding, an H200's name and SM count, plain memory for
+    """While constructing: the no-op binding, an H200's arch, name and SM count, plain memory for
     pinned."""
-    saved = (launcher.load, torch.cuda.get_device_properties, torch.zeros, peer.view_bytes)
+    saved = (launcher.load, launcher.device_arch, torch.cuda.get_device_properties, torch.zeros,
+             peer.view_bytes)  # fmt: skip
     zeros = torch.zeros
 
     def plain_zeros(*args: object, pin_memory: bool = False, **kw: object) -> torch.Tensor:
         return zeros(*args, **kw)
 
-    launcher.load = lambda device=None, portable=False: NoOpBinding()  # type: ignore[assignment]
+    launcher.load = lambda *args, **kwargs: NoOpBinding()  # type: ignore[assignment]
+    launcher.device_arch = lambda device=None: "sm_90"  # type: ignore[assignment]
     h200 = SimpleNamespace(multi_processor_count=132, name="NVIDIA H200")
     torch.cuda.get_device_properties = lambda d=None: h200  # type: ignore[assignment]
     torch.zeros = plain_zeros  # type: ignore[assignment]
@@ -109,7 +105,8 @@ def fake_gpu_layer() -> Iterator[None]:
     try:
         yield
     finally:
-        launcher.load, torch.cuda.get_device_properties, torch.zeros, peer.view_bytes = saved
+        (launcher.load, launcher.device_arch, torch.cuda.get_device_properties, torch.zeros,
+         peer.view_bytes) = saved  # fmt: skip
 
 
 def stub_content_checks() -> None:

@@ -23,7 +23,8 @@ import torch
 
 from cpindex import formats, partition
 from cpindex.bench.timing import copy_bandwidth_gbs, synthetic_cache, synthetic_queries, time_graph
-from cpindex.kernels.launcher import ErrorMonitor, KernelScorer, LaunchShape
+from cpindex.kernels.launcher import ErrorMonitor, KernelScorer
+from cpindex.kernels.variants import LaunchShape, Variant, instances, query_tiles
 
 SHAPES = [  # world, requests, context (K tokens)
     (1, 32, 32), (1, 8, 128), (1, 32, 128), (4, 8, 32), (4, 32, 32), (4, 8, 128), (4, 32, 128)
@@ -39,18 +40,20 @@ def forced(sc: KernelScorer, variant: str, requests: int, width: int, t: int) ->
     base = _launcher_grid(sc, requests, width, False, t)
     if variant == "ship":
         return base
-    vec, items, sms = t * sc.num_heads, requests * -(-width // sc.world), sc._sms
+    items, sms = requests * -(-width // sc.world), sc.gpu.sms
+    tiles = query_tiles(sc.build, t * sc.num_heads)
     kind, k = variant[:-1], int(variant[-1])
 
     def on(split: int, wgmma: bool = False) -> LaunchShape:  # K CTAs per SM, at most all it needs
-        most = min(-(-items * max(split, 1) // 4), sc._cap(sc.fmt_id, vec, wgmma, split))
-        return LaunchShape(min(most, k * sms), wgmma, split)
+        v = Variant(sc.fmt_id, tiles, wgmma, split)
+        cap = max(1, sms * sc.occupancy(v) // sc.gpu.ranks)
+        return LaunchShape(v, min(-(-items * max(split, 1) // 4), cap, k * sms))
 
     if kind == "ring":
         return on(0)
     if kind in ("s4", "s2"):
         return on(int(kind[1]))
-    if kind == "wg" and sc.mod.has_wgmma(vec):
+    if kind == "wg" and Variant(sc.fmt_id, tiles, True) in instances(sc.build, sc.fmt_id):
         return on(0, wgmma=True)
     return None
 
@@ -144,7 +147,8 @@ def sweep(
             us = statistics.median(time_graph(call, 8, 15, 2)) * 1e3
             row["us"][v] = us
             row.setdefault("shapes", {})[v] = list(shape)
-            cells.append(f"{us:7.1f}{'s' if shape.split else 'w' if shape.wgmma else ' '}")
+            kind = "s" if shape.variant.split else "w" if shape.variant.wgmma else " "
+            cells.append(f"{us:7.1f}{kind}")
         _choice[0] = None
         sc._shapes = type(sc._shapes)()
         line = f"{fmt:5} W={world} {requests:2} x {ctx // 1024:3}K T={t} ({nbytes >> 20:4} MiB)"

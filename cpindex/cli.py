@@ -320,7 +320,7 @@ def _build(archs: list[str] | None, formats: list[str]) -> int:
             line = f"{b.name}: {'built' if b.built else 'found'} and imported in {b.seconds:.1f} s"
             if gpu is not None and b.fmt is not None:
                 t0 = time.perf_counter()
-                b.module.occupancy(structs.FORMAT_IDS[b.fmt], 4, False, 0)
+                b.module.occupancy(structs.FORMAT_IDS[b.fmt], 1, False, 0)
                 line += f", loaded on {gpu} in {time.perf_counter() - t0:.1f} s"
             print(line)
     print(f"cache: {build.cache_dir()}")

@@ -20,12 +20,12 @@ FORMATS = ["bf16", "fp8", "nvfp4"]
 def force_warpgroup_mma(monkeypatch) -> None:
     """Run the warpgroup-mma instance (sm_90a builds, T * H of 17..32) at any batch size: the
     launcher otherwise picks it for large batches only. Skips where the build has none."""
-    from cpindex.kernels import launcher, load
+    from cpindex.kernels import device_arch, variants
 
-    if not load(torch.device("cuda", 0)).has_wgmma(32):
+    if not variants.build_of(device_arch(torch.device("cuda", 0))).wgmma:
         pytest.skip("no warpgroup-mma instance in this build (sm_90a only)")
-    monkeypatch.setattr(launcher, "WGMMA_MIN_ITEMS_PER_SM", 0)
-    monkeypatch.setattr(launcher, "WGMMA_RING_GPUS", ("",))  # bf16 and fp8 on any GPU too
+    monkeypatch.setattr(variants, "WGMMA_MIN_ITEMS_PER_SM", 0)
+    monkeypatch.setattr(variants, "WGMMA_RING_GPUS", ("",))  # bf16 and fp8 on any GPU too
 
 
 def in_child(code: str, timeout_s: float = 300) -> str:

@@ -29,7 +29,7 @@ import torch
 from _gpu import assert_scores, expected
 
 from cpindex import formats, testing
-from cpindex.kernels import structs
+from cpindex.kernels import structs, variants
 from cpindex.kernels.launcher import nvfp4_lut
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,11 +83,6 @@ def lut8() -> torch.Tensor:
     return nvfp4_lut()[4096:].contiguous()
 
 
-def query_tiles(vectors: int) -> int:
-    """score.hip's query_tiles on the MFMA build."""
-    return 1 if vectors <= 8 else 2 if vectors <= 16 else 4
-
-
 def emulate(
     lib: ctypes.CDLL,
     prob: testing.Problem,
@@ -100,12 +95,12 @@ def emulate(
     """[H, rows, width] scores as the MFMA kernel computes them (rank 0 of world 1)."""
     t, heads = prob.query_len, prob.q.shape[1]
     vectors = t * heads
-    nt = query_tiles(vectors)
+    nt = variants.query_tiles(variants.build_of(arch), vectors)  # the launcher's instance
     q = prob.q.contiguous()
     elem = q.element_size()
     if prob.fmt == "nvfp4":
         kv, ks = formats.nvfp4_views(prob.index_cache)
-        fid = structs.NVFP4_NARROW if kv.stride(1) % 16 else structs.FORMAT_IDS["nvfp4"]
+        fid = variants.cache_format("nvfp4", kv.stride(1))
         kv_page, kv_tok, ks_page, ks_tok = kv.stride(0), kv.stride(1), ks.stride(0), ks.stride(1)
         kv_ptr, ks_ptr = kv.data_ptr(), ks.data_ptr()
     else:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import cpindex.kernels
-from cpindex.kernels import build
+from cpindex.kernels import build, variants
 from cpindex.kernels.build import build_defines, sources_digest
 
 
@@ -131,7 +131,8 @@ _HIP_INC = os.environ.get("HIP_INC", "/usr/include/hip")
 @pytest.mark.parametrize(("fmt", "kernel_ids"), [(None, set()), ("fp8", {1})])
 def test_a_module_instantiates_its_formats_only(tmp_path, fmt, kernel_ids):
     """score.hip compiled (gfx942, warnings are errors) with a module's CP_FORMATS holds that
-    format's scoring instances and no other; the key writer and the merge are in every module."""
+    format's scoring instances and no other, exactly those the launcher chooses among
+    (variants.instances); the key writer and the merge are in every module."""
     out = tmp_path / "score.s"
     subprocess.run(
         [_CLANG, "-x", "hip", "--offload-arch=gfx942", "--cuda-device-only", "-nogpulib", "-O1",
@@ -143,6 +144,13 @@ def test_a_module_instantiates_its_formats_only(tmp_path, fmt, kernel_ids):
     kernels = set(re.findall(r"^(_Z\w+):", text, flags=re.M))
     scored = {int(m) for k in kernels for m in re.findall(r"score_kernelILi(\d+)E", k)}
     assert scored == kernel_ids
+    held = {
+        (int(f), int(n), w == "1", int(s))
+        for k in kernels
+        for f, n, w, s in re.findall(r"score_kernelILi(\d+)ELi(\d+)ELb([01])ELi(\d+)E", k)
+    }
+    mfma = variants.build_of("gfx942")
+    assert held == {v for f in kernel_ids for v in variants.instances(mfma, f)}
     assert any("write_keys_kernel" in k for k in kernels)
     assert any("merge_kernel" in k for k in kernels)
 

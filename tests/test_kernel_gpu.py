@@ -12,7 +12,7 @@ import torch
 from _gpu import FORMATS, assert_scores, expected, force_warpgroup_mma, needs_gpu
 
 from cpindex import BadBlockTableError, formats, ops, testing
-from cpindex.kernels import launcher, structs
+from cpindex.kernels import device_arch, launcher, structs, variants
 
 pytestmark = [needs_gpu, pytest.mark.gpu]
 
@@ -200,7 +200,7 @@ def test_split_and_whole_pages_match(fmt, portable, split, t, heads, monkeypatch
     scores whole pages. All three on one ragged batch: partial last blocks and causal cuts fall
     inside one warp's part, forcing, 1, 2 and 4 query tiles, two passes (T * H = 64), and an odd
     item count, so that with halves the last CTA's second pair has no item."""
-    monkeypatch.setattr(launcher, "SPLIT_WARPS", (split,) if split else ())
+    monkeypatch.setattr(variants, "SPLIT_WARPS", (split,) if split else ())
     lengths = torch.tensor([2900, 1025, 129, 2048, 700])  # 23 blocks: 115 items
     prob = testing.make_problem(
         5, 2900, fmt, query_len=t, num_heads=heads, seed=40 + t + heads, lengths=lengths,
@@ -212,10 +212,8 @@ def test_split_and_whole_pages_match(fmt, portable, split, t, heads, monkeypatch
         monitor=launcher.ErrorMonitor(dev, 0), portable=portable,
     )  # fmt: skip
     fid = structs.NVFP4_NARROW if fmt == "nvfp4-interleaved" else None  # launch()'s instance
-    if split and split < scorer.mod.split_warps(fid or scorer.fmt_id):
-        pytest.skip(f"the build splits {fmt} pages over more than {split} warps")
     shape = scorer.grid(prob.requests, prob.width, False, t, fid)
-    assert shape.split == split and not shape.wgmma, shape  # the instance under test
+    assert shape.variant.split == split and not shape.variant.wgmma, shape  # the one under test
     assert prob.requests * prob.width == 115
     assert shape.grid == -(-115 * split // 4) or not split, shape
     out = torch.full((heads, prob.rows, prob.width), float("nan"), device="cuda")
@@ -243,13 +241,14 @@ def test_split_pages_stream_over_rounds(fmt, split, t, heads, monkeypatch):
     )  # fmt: skip
     prob.block_table[:, 5] = prob.block_table[:, 4]  # consecutive items on one page
     prob.block_table[2, 1] = prob.block_table[1, 7]  # and across requests
-    shape = launcher.LaunchShape(7, False, split)  # 7 CTAs: rounds of 7 * 4 / split items
-    monkeypatch.setattr(launcher.KernelScorer, "grid", lambda self, *args: shape)
     dev = torch.device("cuda", torch.cuda.current_device())
     scorer = launcher.KernelScorer(
         dev, prob.fmt, num_heads=heads, rank=0, world=1, sm_scale=128**-0.5,
         monitor=launcher.ErrorMonitor(dev, 0),
     )  # fmt: skip
+    tiles = variants.query_tiles(scorer.build, t * heads)
+    shape = variants.LaunchShape(variants.Variant(scorer.fmt_id, tiles, False, split), 7)
+    monkeypatch.setattr(launcher.KernelScorer, "grid", lambda self, *args: shape)  # 7 CTAs
     for init_blocks in (0, 2):
         out = torch.full((heads, prob.rows, prob.width), float("nan"), device="cuda")
         scorer.score_local(
@@ -400,11 +399,11 @@ def test_torch_compile_traces_the_op():
 
 
 def _many_rounds(fmt: str, t: int, seed: int):
-    """A ragged batch of ``launcher.RING_MIN_ITEMS_PER_SM`` items per SM (80-block requests,
+    """A ragged batch of ``variants.RING_MIN_ITEMS_PER_SM`` items per SM (80-block requests,
     many rounds of any persistent grid) and a local scorer for it."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     blocks = 80
-    requests = -(-launcher.RING_MIN_ITEMS_PER_SM * sms // blocks)
+    requests = -(-variants.RING_MIN_ITEMS_PER_SM * sms // blocks)
     lengths = torch.randint(1, blocks * 128, (requests,))
     lengths[0] = blocks * 128
     prob = testing.make_problem(
@@ -433,38 +432,38 @@ def _scored(scorer, prob, init_blocks: int) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
 @pytest.mark.parametrize("t", [1, 4, 8])
 def test_ring_grid_holds_its_bytes_in_flight(fmt, t, monkeypatch):
-    """bf16 and fp8 whole pages of a large call (``launcher.RING_MIN_ITEMS_PER_SM`` items per
-    SM or more) run on a grid sized by bytes in flight per SM (``launcher.RING_BYTES_PER_SM``),
+    """bf16 and fp8 whole pages of a large call (``variants.RING_MIN_ITEMS_PER_SM`` items per
+    SM or more) run on a grid sized by bytes in flight per SM (``variants.RING_BYTES_PER_SM``),
     fewer CTAs than fit: each warp takes several rounds of a ragged batch. The same scores as
     the grid of every CTA that fits, and as the reference."""
     if torch.version.hip is not None:
         pytest.skip("the ring grid is sized on CUDA builds only")
-    monkeypatch.setattr(launcher, "WGMMA_MIN_ITEMS_PER_SM", 1 << 30)  # the mma.sync instances
-    monkeypatch.setattr(launcher, "SPLIT_WARPS", ())  # whole pages at every size below
+    monkeypatch.setattr(variants, "WGMMA_MIN_ITEMS_PER_SM", 1 << 30)  # the mma.sync instances
+    monkeypatch.setattr(variants, "SPLIT_WARPS", ())  # whole pages at every size below
     prob, scorer, sms = _many_rounds(fmt, t, 70 + t)
     # a CTA keeps 4 warps x 3 tiles in flight: 48 KiB of bf16, 24 KiB of fp8
-    per_sm = launcher.RING_BYTES_PER_SM // (48 * 1024 if fmt == "bf16" else 24 * 1024)
-    ring = launcher.RING_BYTES_PER_SM
+    per_sm = variants.RING_BYTES_PER_SM // (48 * 1024 if fmt == "bf16" else 24 * 1024)
+    ring = variants.RING_BYTES_PER_SM
     below = [scorer.grid(r, prob.width, False, t) for r in (prob.requests - 1, 4)]
     assert scorer.grid(prob.requests, prob.width, False, t).grid == sms * per_sm
-    monkeypatch.setattr(launcher, "RING_BYTES_PER_SM", 0)
+    monkeypatch.setattr(variants, "RING_BYTES_PER_SM", 0)
     # one request fewer is below the threshold: the grid of every CTA that fits
     assert below == [scorer.grid(r, prob.width, False, t) for r in (prob.requests - 1, 4)]
     assert below[1].grid == prob.width  # 4 requests: a CTA per four items
     outs = []
     for ring_bytes in (ring, 0):
-        monkeypatch.setattr(launcher, "RING_BYTES_PER_SM", ring_bytes)
+        monkeypatch.setattr(variants, "RING_BYTES_PER_SM", ring_bytes)
         outs.append(_scored(scorer, prob, 0))
     assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
 def test_warpgroup_instance_by_gpu(fmt):
-    """From ``launcher.WGMMA_MIN_ITEMS_PER_SM`` items per SM, four query tiles take the
+    """From ``variants.WGMMA_MIN_ITEMS_PER_SM`` items per SM, four query tiles take the
     warpgroup-mma instance: nvfp4 on every sm_90a GPU, bf16 and fp8 only on the GPUs named in
-    ``launcher.WGMMA_RING_GPUS`` (elsewhere whole pages with ``mma.sync``)."""
+    ``variants.WGMMA_RING_GPUS`` (elsewhere whole pages with ``mma.sync``)."""
     dev = torch.device("cuda", torch.cuda.current_device())
-    if not launcher.load(dev).has_wgmma(32):
+    if not variants.build_of(device_arch(dev)).wgmma:
         pytest.skip("no warpgroup-mma instance in this build (sm_90a only)")
     scorer = launcher.KernelScorer(
         dev, fmt, num_heads=4, rank=0, world=1, sm_scale=128**-0.5,
@@ -474,13 +473,14 @@ def test_warpgroup_instance_by_gpu(fmt):
         torch.cuda.get_device_properties(dev).multi_processor_count,
         torch.cuda.get_device_name(dev),
     )
-    requests = -(-launcher.WGMMA_MIN_ITEMS_PER_SM * sms // 64)  # 64 blocks each: enough items
-    default = any(n in name for n in launcher.WGMMA_RING_GPUS)
-    for gpus, ring_takes_it in [(launcher.WGMMA_RING_GPUS, default), ((name,), True), ((), False)]:
+    requests = -(-variants.WGMMA_MIN_ITEMS_PER_SM * sms // 64)  # 64 blocks each: enough items
+    default = any(n in name for n in variants.WGMMA_RING_GPUS)
+    for gpus, ring_takes_it in [(variants.WGMMA_RING_GPUS, default), ((name,), True), ((), False)]:
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(launcher, "WGMMA_RING_GPUS", gpus)
-            assert scorer.grid(requests, 64, False, 8).wgmma == (ring_takes_it or fmt == "nvfp4")
-            assert not scorer.grid(requests - 1, 8, False, 8).wgmma  # below the threshold
+            mp.setattr(variants, "WGMMA_RING_GPUS", gpus)
+            got = scorer.grid(requests, 64, False, 8).variant.wgmma
+            assert got == (ring_takes_it or fmt == "nvfp4")
+            assert not scorer.grid(requests - 1, 8, False, 8).variant.wgmma  # below the threshold
 
 
 @pytest.mark.parametrize(
@@ -488,26 +488,27 @@ def test_warpgroup_instance_by_gpu(fmt):
 )
 def test_ring_split_pages_at_every_size(fmt, t, split, monkeypatch):
     """The ring formats split pages past the size whose CTAs fit at once where
-    ``launcher.RING_SPLIT_PAGES`` says so: bf16 over four warps with one query tile and two with
+    ``variants.RING_SPLIT_PAGES`` says so: bf16 over four warps with one query tile and two with
     two, and over four with four tiles from ``RING_MIN_ITEMS_PER_SM`` items per SM (whole pages
     below), fp8 over two with one; that instance on its whole resident grid, each CTA taking
     several rounds of a ragged batch. The reference's scores, and those of whole pages."""
     if torch.version.hip is not None:
         pytest.skip("split pages at scale are for the ring (CUDA builds)")
-    monkeypatch.setattr(launcher, "WGMMA_MIN_ITEMS_PER_SM", 1 << 30)
+    monkeypatch.setattr(variants, "WGMMA_MIN_ITEMS_PER_SM", 1 << 30)
     prob, scorer, sms = _many_rounds(fmt, t, 90 + t + split)
-    resident = sms * scorer.mod.occupancy(scorer.fmt_id, 4 * t, False, split)
+    tiles = variants.query_tiles(scorer.build, 4 * t)
+    resident = sms * scorer.occupancy(variants.Variant(scorer.fmt_id, tiles, False, split))
     shape = scorer.grid(prob.requests, prob.width, False, t)
-    assert shape == launcher.LaunchShape(resident, False, split), shape
+    assert shape == (variants.Variant(scorer.fmt_id, tiles, False, split), resident), shape
     assert prob.requests * prob.width > 4 // split * resident  # several rounds a CTA
     small = scorer.grid(1, 8, False, t)  # fits at once: four warps a page, a CTA per item
-    assert small == launcher.LaunchShape(8, False, 4), small
+    assert small == (variants.Variant(scorer.fmt_id, tiles, False, 4), 8), small
     below = scorer.grid(prob.requests - 1, prob.width, False, t)  # under the items per SM
-    assert below.split == (0 if t == 8 else split), below
+    assert below.variant.split == (0 if t == 8 else split), below
     outs = []
-    for table in (launcher.RING_SPLIT_PAGES, ()):
-        monkeypatch.setattr(launcher, "RING_SPLIT_PAGES", table)
-        got = scorer.grid(prob.requests, prob.width, False, t).split
+    for table in (variants.RING_SPLIT_PAGES, ()):
+        monkeypatch.setattr(variants, "RING_SPLIT_PAGES", table)
+        got = scorer.grid(prob.requests, prob.width, False, t).variant.split
         assert got == (split if table else 0)
         outs.append(_scored(scorer, prob, 1))
     fin = torch.isfinite(outs[1])

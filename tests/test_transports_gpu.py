@@ -29,7 +29,7 @@ from _gpu import (
 
 from cpindex import CPIndexConfig, IndexCP, OutOfStepError, PeerTimeoutError, testing
 from cpindex.comm import Comm
-from cpindex.kernels import launcher
+from cpindex.kernels import variants
 from cpindex.spawn import spawn_processes
 from cpindex.world import in_turn, run_threads
 
@@ -73,7 +73,7 @@ def test_ipc_matches_collective_and_reference(fmt, world, t, inst, monkeypatch):
     if inst == "wg":  # T * H = 32: the warpgroup-mma instance as well as the launcher's choice
         force_warpgroup_mma(monkeypatch)
     if inst == "halves":  # pushed calls that split pages over two warps where the format does
-        monkeypatch.setattr(launcher, "SPLIT_WARPS", (2,))
+        monkeypatch.setattr(variants, "SPLIT_WARPS", (2,))
     probs = _problems(fmt, 6, seed=world + t, query_len=t)
     refs = [expected(p, 0, 1) for p in probs]
 

@@ -196,9 +196,8 @@ def _floors(q, cache, tables, lens, buf, blocks: int, t: int, fmt: str, dev: tor
                        width=blocks, query_len=t)  # fmt: skip
         img = sc._images[next(reversed(sc._images))]
         shape = sc._shapes[next(reversed(sc._shapes))]
-        kv, ks, fid = sc.parts(cache)
-        preps.append((q, kv, ks, tables[s], lens, img, None, fid, shape.wgmma, shape.split,
-                      shape.grid, -1))  # fmt: skip
+        kv, ks, _ = sc.parts(cache)  # the variant holds the format id
+        preps.append((q, kv, ks, tables[s], lens, img, None, *shape.variant, shape.grid, -1))
     one = torch.zeros(1, device=dev)
     binding = ("binding, arguments prepared", "", lambda i: sc.mod.score(*preps[i % sets]))
     tiny = ("one tiny torch op (add_)", "", lambda i: one.add_(1))

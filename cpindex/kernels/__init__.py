@@ -1,5 +1,6 @@
 """The fused HIP/CUDA scoring kernel: source (``score.hip`` and the headers it includes),
-torch binding (``binding.cpp``), JIT build (:mod:`.build`) and launcher (:mod:`.launcher`)."""
+torch binding (``binding.cpp``), JIT build (:mod:`.build`), the choice of kernel instance
+(:mod:`.variants`) and launcher (:mod:`.launcher`)."""
 
 from .build import (
     KernelUnavailable,

@@ -6,6 +6,7 @@
 // allocation and IPC handles live here too: on ROCm torch's allocator cannot give the uncached
 // (fine-grained) memory that cross-GPU flags need, so one small path serves both vendors.
 #include <torch/extension.h>
+#include <pybind11/stl.h>  // instances(): a list of tuples
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -13,6 +14,8 @@
 #include <cstddef>
 #include <cstring>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "launch.h"
 
@@ -42,6 +45,26 @@ std::string dtype(const torch::Tensor& t) { return c10::toString(t.scalar_type()
                                     " at " __FILE__ ":" + num(__LINE__));                   \
   } while (0)
 
+// The instance the launcher chose (cpindex/kernels/variants.py) must be one this module holds.
+void check_instance(const char* what, int64_t format, int64_t tiles, bool wgmma, int64_t split) {
+  CP_CHECK(cpindex::score_has_instance((int)format, (int)tiles, wgmma, (int)split),
+           std::string(what) + ": no instance (format " + num(format) + ", tiles " + num(tiles) +
+               ", wgmma " + num(wgmma) + ", split " + num(split) +
+               ") in this module (kernels/variants.py, instances())");
+}
+
+// Every instance this module holds, (format, tiles, wgmma, split): build.py checks that it is
+// variants.instances()' list.
+std::vector<std::tuple<int64_t, int64_t, bool, int64_t>> instances() {
+  std::vector<std::tuple<int64_t, int64_t, bool, int64_t>> out;
+  for (int f = 0; f < 4; ++f)
+    for (int t = 1; t <= 8; ++t)
+      for (int w = 0; w < 2; ++w)
+        for (int s = 0; s <= cpindex::kWarpsPerCta; ++s)
+          if (cpindex::score_has_instance(f, t, w, s)) out.emplace_back(f, t, w, s);
+  return out;
+}
+
 using cpindex::FingerprintParams;
 using cpindex::PushState;
 using cpindex::ScoreParams;
@@ -49,15 +72,10 @@ using cpindex::ScoreParams;
 void score(const torch::Tensor& q, const torch::Tensor& kv, const c10::optional<torch::Tensor>& ks,
            const torch::Tensor& block_table, const torch::Tensor& seq_lens,
            const torch::Tensor& params_image, const c10::optional<torch::Tensor>& push_image,
-           int64_t format, bool wgmma, int64_t split, int64_t grid, int64_t tag) {
+           int64_t format, int64_t tiles, bool wgmma, int64_t split, int64_t grid, int64_t tag) {
   // Validation happened once, in Python (cpindex/validation.py); these are cheap invariants.
   CP_CHECK(params_image.numel() == (int64_t)sizeof(ScoreParams), "ScoreParams image size");
-  CP_CHECK(cpindex::format_built((int)format), "score: format " + num(format) +
-                                                  " is not in this module (kernels/build.py)");
-  const int fewest = cpindex::score_split_warps((int)format);
-  CP_CHECK(split == 0 || (fewest > 0 && split >= fewest && (split == 2 || split == 4)),
-           "split must be 0, or 2 or 4 warps per page where the build splits pages (format " +
-               num(format) + ": " + num(fewest) + " and up), got " + num(split));
+  check_instance("score", format, tiles, wgmma, split);
   ScoreParams p;
   std::memcpy(&p, params_image.data_ptr(), sizeof p);
   // kv/ks arrive as views (cpindex.kernels.launcher.cache_parts): bf16/fp8 [pages, 128, 128];
@@ -92,10 +110,12 @@ void score(const torch::Tensor& q, const torch::Tensor& kv, const c10::optional<
     std::memcpy(&ps, push_image->data_ptr(), sizeof ps);
     ps.q_src = static_cast<const uint8_t*>(q.data_ptr());
     ps.q_bytes = q.numel() * q.element_size();
-    rc = cpindex::launch_score(p, &ps, (int)format, wgmma, (int)split, (int)grid, stream);
+    rc = cpindex::launch_score(p, &ps, (int)format, (int)tiles, wgmma, (int)split, (int)grid,
+                                stream);
   } else {
     p.q = static_cast<const uint8_t*>(q.data_ptr());
-    rc = cpindex::launch_score(p, nullptr, (int)format, wgmma, (int)split, (int)grid, stream);
+    rc = cpindex::launch_score(p, nullptr, (int)format, (int)tiles, wgmma, (int)split, (int)grid,
+                                stream);
   }
   CP_CHECK(rc == 0, std::string("cpindex score kernel launch failed: ") +
                           cudaGetErrorString(static_cast<cudaError_t>(rc)));
@@ -235,16 +255,13 @@ void write_keys(const torch::Tensor& keys, const torch::Tensor& slots, const tor
                           cudaGetErrorString(static_cast<cudaError_t>(rc)));
 }
 
-int64_t occupancy(int64_t format, int64_t vectors, bool wgmma, int64_t split) {
+int64_t occupancy(int64_t format, int64_t tiles, bool wgmma, int64_t split) {
+  check_instance("occupancy", format, tiles, wgmma, split);
   int ctas = 0;
   CP_CHECK_RT(static_cast<cudaError_t>(
-      cpindex::score_occupancy((int)format, (int)vectors, wgmma, (int)split, &ctas)));
+      cpindex::score_occupancy((int)format, (int)tiles, wgmma, (int)split, &ctas)));
   return ctas;
 }
-
-bool has_wgmma(int64_t vectors) { return cpindex::score_has_wgmma((int)vectors); }
-
-int64_t split_warps(int64_t format) { return cpindex::score_split_warps((int)format); }
 
 // Device ticks of the kernel's timeout clock per second (globaltimer ns on CUDA, the constant
 // wall clock on ROCm).
@@ -365,8 +382,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("plan_fingerprint", &plan_fingerprint);
   m.def("write_keys", &write_keys);
   m.def("occupancy", &occupancy);
-  m.def("has_wgmma", &has_wgmma);
-  m.def("split_warps", &split_warps);
+  m.def("instances", &instances);
   m.def("clock_ticks_per_second", &clock_ticks_per_second);
   m.def("peer_malloc", &peer_malloc);
   m.def("peer_free", &peer_free);

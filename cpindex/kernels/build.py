@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from ..errors import TransportUnavailable
-from . import structs
+from . import structs, variants
 
 _HERE = Path(__file__).resolve().parent
 _lock = threading.Lock()
@@ -76,17 +76,12 @@ def sources_digest() -> str:
     return h.hexdigest()[:12]
 
 
-#: AMD architectures the matrix-core (MFMA) path is built for (CDNA3, CDNA4); a HIP build for
-#: any other AMD GPU takes the portable path (compat.h, CP_MFMA).
-MFMA_ARCHS = ("gfx940", "gfx941", "gfx942", "gfx950")
-
-
 def build_defines(arch: str, *, portable: bool = False) -> list[str]:
     """The macros a build for ``arch`` compiles with: ``CP_WGMMA=1`` on sm_90 (Hopper builds
     sm_90a, whose four-tile instances use the warpgroup mma; docs/kernel.md), none elsewhere or
     for the portable path. The library builds only what ships: no environment variable adds
     any."""
-    return ["CP_WGMMA=1"] if arch == "sm_90" and not portable else []
+    return ["CP_WGMMA=1"] if variants.build_of(arch, portable=portable).wgmma else []
 
 
 def _write_once(path: Path, text: str) -> Path:
@@ -111,7 +106,7 @@ def build_flags(arch: str, fmt: str | None = None, *, portable: bool = False) ->
         raise ValueError(
             f"fmt: expected one of {[f for f in FORMAT_BITS if f]} or None, got {fmt!r}"
         )
-    portable = portable or (arch.startswith("gfx") and arch not in MFMA_ARCHS)
+    portable = variants.build_of(arch, portable=portable).path == "portable"
     flags = ["-O3", "-std=c++17"] + (["-DCP_PORTABLE=1"] if portable else [])
     flags += [f"-D{d}" for d in build_defines(arch, portable=portable)]
     return [*flags, f"-DCP_FORMATS={FORMAT_BITS[fmt]}"]
@@ -188,6 +183,12 @@ def _build(arch: str, fmt: str | None, portable: bool) -> ModuleType:
     structs.check_layout(mod.params_layout())
     if mod.formats() != FORMAT_BITS[fmt]:
         raise KernelUnavailable(f"{what}: the module holds formats {mod.formats():#x}")
+    # the launcher chooses among variants.instances(): the module must hold exactly those
+    held = variants.build_of(arch, portable=portable)
+    ids = [*structs.FORMAT_IDS.values(), structs.NVFP4_NARROW]
+    want = sorted(v for f in ids if FORMAT_BITS[fmt] >> f & 1 for v in variants.instances(held, f))
+    if sorted(mod.instances()) != want:
+        raise KernelUnavailable(f"{what}: the module holds instances {mod.instances()}, not {want}")
     return mod
 
 
@@ -204,8 +205,8 @@ def load(
     AMD GPUs always build the portable one.
     """
     arch = device_arch(device)
-    if arch.startswith("gfx") and arch not in MFMA_ARCHS:
-        portable = True  # the MFMA path's instructions are CDNA3/CDNA4 ones
+    # the MFMA path's instructions are CDNA3/CDNA4 ones: other AMD GPUs build the portable path
+    portable = variants.build_of(arch, portable=portable).path == "portable"
     with _lock:
         mod = _modules.get((arch, fmt, portable))
         if mod is None and fmt is None and not portable:

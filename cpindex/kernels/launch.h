@@ -196,28 +196,23 @@ int launch_plan_fingerprint(const FingerprintParams& f, void* stream);
 // p.trailer > 0 or p.topk > 0 the collective transport's agreement and shard selection follow).
 // Otherwise push mode: deliver queries and the call identity, wait for peers' (and compare
 // identities), score, push, signal, wait.
-// Returns 0 or a cudaError_t/hipError_t value.
-// wgmma: the warpgroup-mma instance where the build has one for this T * H (score_has_wgmma).
-// split: 0 for a warp per item; 4 or 2 for the split-page instance, that many warps sharing each
-// page, where the build has it for the format (score_split_warps).
-int launch_score(const ScoreParams& p, const PushState* push, int format, bool wgmma, int split,
-                 int grid, void* stream);
+// The instance is the launcher's choice (cpindex/kernels/variants.py), taken as it is: `format`
+// (CacheFormat), `tiles` query n-tiles per pass (1, 2 or 4), `wgmma` the warpgroup-mma instance,
+// `split` 4 or 2 warps sharing each page (0: a warp per item). Returns 0, -1 where this module
+// holds no such instance (score_has_instance), or a cudaError_t/hipError_t value.
+int launch_score(const ScoreParams& p, const PushState* push, int format, int tiles, bool wgmma,
+                 int split, int grid, void* stream);
 
 // The collective transport's merge, after its all-to-all of a local select call's candidates:
 // p.cand [world][heads_per_rank][rows][topk] into ids_out/scores_out (NaN and -1 where that
 // call's ranks disagreed). Returns 0 or a cudaError_t/hipError_t value.
 int launch_merge(const ScoreParams& p, void* stream);
 
-// CTAs per SM the instance launch_score runs for `vectors` = query_len * num_heads query vectors
-// and the same wgmma and split reaches (for the persistent-grid cap).
-int score_occupancy(int format, int vectors, bool wgmma, int split, int* ctas_per_sm);
+// CTAs per SM of the instance launch_score runs for the same (format, tiles, wgmma, split), for
+// the persistent-grid cap. Returns as launch_score.
+int score_occupancy(int format, int tiles, bool wgmma, int split, int* ctas_per_sm);
 
-// Whether this build has a warpgroup-mma instance (sm_90a) for `vectors` query vectors.
-bool score_has_wgmma(int vectors);
-
-// The fewest warps a split-page instance for `format` shares a page among: 2 (every format has
-// the four-warp instance, a CTA per item, and the two-warp one, two items a CTA); 0 for an
-// unknown format. The launcher takes the most warps per page whose CTAs fit the grid at once.
-int score_split_warps(int format);
+// Whether this module holds instance (format, tiles, wgmma, split).
+bool score_has_instance(int format, int tiles, bool wgmma, int split);
 
 }  // namespace cpindex

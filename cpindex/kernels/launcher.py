@@ -1,10 +1,11 @@
-"""Launching the fused kernel from Python: parameter images, grid sizing, error words.
+"""Launching the fused kernel from Python: parameter images, launches, error words.
 
 A :class:`KernelScorer` is one call site (fixed format, heads, rank, world). Everything that
 depends only on the call's static shape (rows, width, forcing counts) is packed into a struct
-image once and cached; a call patches pointers in C++ and launches. What a launch derives from
-its tensors' metadata is cached too (docs/design.md, "The host path"): the grid choice per
-shape, and the nvfp4 views of a cache per cache tensor (:class:`cpindex.memo.PerTensor`).
+image once and cached; a call patches pointers in C++ and launches the instance and grid that
+:mod:`.variants` chooses. What a launch derives from its tensors' metadata is cached too
+(docs/design.md, "The host path"): that choice per shape, and the nvfp4 views of a cache per
+cache tensor (:class:`cpindex.memo.PerTensor`).
 """
 
 from __future__ import annotations
@@ -18,58 +19,10 @@ import torch
 from .. import layouts, quant
 from ..errors import BadBlockTableError, BadSlotError, OutOfStepError, PeerTimeoutError
 from ..memo import Memo, PerTensor
-from . import structs
-from .build import load
+from . import structs, variants
+from .build import device_arch, load
 
 PHASES = {structs.ERR_TIMEOUT_QUERIES: "queries", structs.ERR_TIMEOUT_SCORES: "scores"}
-
-# The warpgroup-mma instance (sm_90a builds, T * H of 17..32) is faster once a call gives each SM
-# a few pages per warp, and slower on small batches, where its warps wait on each other
-# (docs/BENCHMARKS.md): it runs from this many items (request, block) per SM of a rank's share.
-WGMMA_MIN_ITEMS_PER_SM = 32
-
-# bf16 and fp8 (the cp.async ring formats) take the warpgroup-mma instance only on GPUs whose
-# name holds one of these: on an H100 the mma.sync instance (whole pages, its own registers
-# holding the queries) read them 1-5 % (bf16) and 3-12 % (fp8) faster at every size from
-# WGMMA_MIN_ITEMS_PER_SM, while on the H200, with 1.4x the bandwidth per SM, the warpgroup
-# instance was 8-14 % faster (docs/kernel.md, "Four query tiles on Hopper"). nvfp4, bound by its
-# decode, takes it on every sm_90a GPU.
-WGMMA_RING_GPUS: tuple[str, ...] = ("H200",)
-
-# A call whose items (request, block) of the busiest rank's share all fit the resident grid at
-# once splits each page over several warps of a CTA (score.hip, split pages): a small call has
-# more warps loading and decoding. The warps per page, most first: a call takes the first whose
-# CTAs (4 / warps items each) fit the split instance's resident grid (every build has both).
-# () keeps a warp per item.
-SPLIT_WARPS: tuple[int, ...] = (4, 2)
-WARPS_PER_CTA = 4
-
-# bf16 and fp8 whole pages stream through a per-warp cp.async ring (kernels/config.h kRingTiles
-# tiles of 16 tokens, all but one in flight). HBM is read faster with about this many of those
-# bytes in flight per SM than with the 120-144 KiB of a fully occupied SM (91-92 % of its peak),
-# so these instances' persistent grid holds this many bytes per SM rather than as many CTAs as
-# fit (docs/kernel.md, "Where the time goes"). 0: every CTA that fits. Only calls of at least
-# RING_MIN_ITEMS_PER_SM items per SM: below that, a call that fits one or two rounds of the full
-# grid loses more to extra rounds than it gains (fp8 at 8 x 32K 20-25 % slower). The
-# warpgroup-mma instance and the split pages keep their own grids, so this applies to bf16 with
-# four query tiles and fp8 with two or more (RING_SPLIT_PAGES splits the others).
-RING_BYTES_PER_SM = 48 * 1024
-RING_MIN_ITEMS_PER_SM = 32
-RING_TILES = 4  # kRingTiles
-
-# The ring formats split pages past what fits at once with these query tiles (T * H <= 8: one,
-# <= 16: two, <= 32: four), from this many items per SM of a rank's share: (format, tiles, warps
-# a page, items per SM). That split instance then runs on its whole resident grid, each CTA
-# taking several rounds. On an H100, against whole pages on any grid: bf16 0-2 % faster in
-# quarters with one tile and 0-6 % in halves with two (four warps a page with two tiles 3-20 %
-# slower); fp8 1-6 % faster in halves with one tile (1-18 % slower with two, and with four
-# query tiles every format). bf16 with four tiles (where the warpgroup instance does not take
-# them) in quarters that keep the queries in shared memory: 1-6 % faster from 62 items per SM,
-# 1-4 % slower at 16 (docs/kernel.md, "Where the time goes"). Only where SPLIT_WARPS holds that
-# split; () keeps whole pages past the resident grid.
-RING_SPLIT_PAGES: tuple[tuple[str, int, int, int], ...] = (
-    ("bf16", 1, 4, 0), ("bf16", 2, 2, 0), ("bf16", 4, 4, RING_MIN_ITEMS_PER_SM), ("fp8", 1, 2, 0)
-)  # fmt: skip
 
 
 def nvfp4_lut() -> torch.Tensor:
@@ -234,14 +187,6 @@ class SelectTargets(NamedTuple):
     scores_out: int
 
 
-class LaunchShape(NamedTuple):
-    """Which kernel instance a call runs and on how many CTAs."""
-
-    grid: int
-    wgmma: bool  # the warpgroup-mma instance (sm_90a, four query tiles, large calls)
-    split: int  # the split-page instance's warps per page (4 or 2); 0: a warp per item
-
-
 class KernelScorer:
     """Launches the fused kernel for one (format, heads, rank, world) configuration."""
 
@@ -260,103 +205,40 @@ class KernelScorer:
     ) -> None:
         self.mod = load(device, fmt, portable=portable)
         self.device = device
-        self.fmt_id = structs.FORMAT_IDS[fmt]
+        self.fmt, self.fmt_id = fmt, structs.FORMAT_IDS[fmt]
         self.elem = 2 if fmt == "bf16" else 1
-        # bytes in flight per CTA of a whole-page ring instance (CUDA tensor-core builds)
-        ring = fmt in ("bf16", "fp8") and not portable and torch.version.hip is None
-        self._ring_cta_bytes = (
-            WARPS_PER_CTA * (RING_TILES - 1) * 16 * layouts.HEAD_DIM * self.elem if ring else 0
-        )
+        self.build = variants.build_of(device_arch(device), portable=portable)
         self.num_heads, self.rank, self.world, self.sm_scale = num_heads, rank, world, sm_scale
         self.monitor = monitor
         # score_local's parameter images per shape and output (fresh outputs each call: bounded)
         self._images: Memo[torch.Tensor] = Memo()
         self._lut = nvfp4_lut().to(device) if fmt == "nvfp4" else None
         props = torch.cuda.get_device_properties(device)
-        self._sms, self._gpu = props.multi_processor_count, props.name
-        self._ranks_per_device = ranks_per_device
-        self._capacity: dict[tuple[int, int, bool, int], int] = {}
-        self._has_wgmma: dict[int, bool] = {}  # per T * H: the build has a warpgroup instance
-        self._splits: dict[int, int] = {}  # per format: the fewest warps a page splits over
-        # grid() per (its arguments and the module's tunables, which tests patch)
-        self._shapes: Memo[LaunchShape] = Memo()
+        self.gpu = variants.Gpu(props.multi_processor_count, props.name, ranks_per_device)
+        self._occupancy: dict[variants.Variant, int] = {}
+        # grid() per (its arguments and variants' tunables, which tests patch)
+        self._shapes: Memo[variants.LaunchShape] = Memo()
         # nvfp4: a page-major cache's (values, scales) views; a pair's e4m3 scales as uint8
         self._views: PerTensor[tuple[torch.Tensor, torch.Tensor, int]] = PerTensor()
         self._scale_bytes: PerTensor[torch.Tensor] = PerTensor()
 
     def grid(
         self, requests: int, width: int, push: bool, query_len: int = 1, fmt_id: int | None = None
-    ) -> LaunchShape:
-        """The kernel instance and its persistent grid, from static sizes only; push grids must
-        all be resident at once (every CTA may wait for peers) and deliver queries from CTAs
-        0..world-1."""
-        fid = self.fmt_id if fmt_id is None else fmt_id
-        vectors = query_len * self.num_heads
-        items = requests * -(-width // self.world)
-        has = self._has_wgmma.get(vectors)
-        if has is None:
-            has = self._has_wgmma[vectors] = self.mod.has_wgmma(vectors)
-        wgmma = (
-            has
-            and items * self._ranks_per_device >= WGMMA_MIN_ITEMS_PER_SM * self._sms
-            and (not self._ring_cta_bytes or any(n in self._gpu for n in WGMMA_RING_GPUS))
-        )
-        # Split pages where the build has a split-page instance and the call's CTAs all fit its
-        # resident grid at once (4 / split items a CTA), and past that where RING_SPLIT_PAGES
-        # says so; otherwise four warps a CTA, one item each, on at most the whole-page
-        # instance's resident grid.
-        fewest = self._splits.get(fid)
-        if fewest is None:
-            fewest = self._splits[fid] = self.mod.split_warps(fid)
-        split = 0
-        for k in SPLIT_WARPS if fewest and not wgmma else ():
-            if k >= fewest and -(-items * k // WARPS_PER_CTA) <= self._cap(fid, vectors, False, k):
-                split = k
-                break
-        # the kernel's query tiles per pass (score.hip query_tiles); 0: several passes
-        tiles = 1 if vectors <= 8 else 2 if vectors <= 16 else 4 if vectors <= 32 else 0
-        every = next(
-            (
-                w
-                for f, n, w, per_sm in RING_SPLIT_PAGES
-                if structs.FORMAT_IDS[f] == fid
-                and n == tiles
-                and items * self._ranks_per_device >= per_sm * self._sms
-            ),
-            0,
-        )
-        if (
-            not split
-            and not wgmma
-            and self._ring_cta_bytes
-            and every in SPLIT_WARPS
-            and 0 < fewest <= every
-        ):
-            split = every
-            ctas = min(-(-items * split // WARPS_PER_CTA), self._cap(fid, vectors, False, split))
-        elif split:
-            ctas = -(-items * split // WARPS_PER_CTA)
-        else:
-            ctas = min(-(-items // WARPS_PER_CTA), self._cap(fid, vectors, wgmma, 0))
-            if (
-                self._ring_cta_bytes
-                and RING_BYTES_PER_SM
-                and not wgmma
-                and items * self._ranks_per_device >= RING_MIN_ITEMS_PER_SM * self._sms
-            ):
-                per_sm = max(1, RING_BYTES_PER_SM // self._ring_cta_bytes)
-                ctas = min(ctas, max(1, self._sms * per_sm // self._ranks_per_device))
-        return LaunchShape(max(ctas, self.world if push else 1), wgmma, split)
+    ) -> variants.LaunchShape:
+        """The kernel instance and its persistent grid (:func:`variants.choose`), from static
+        sizes only."""
+        return variants.choose(
+            self.build, self.fmt_id if fmt_id is None else fmt_id, self.gpu, requests=requests,
+            width=width, vectors=query_len * self.num_heads, world=self.world, push=push,
+            occupancy=self.occupancy,
+        )  # fmt: skip
 
-    def _cap(self, fid: int, vectors: int, wgmma: bool, split: int) -> int:
-        """The CTAs of this rank's share of the GPU that one kernel instance keeps resident
-        (split: its warps per page, 0 for the whole-page instances)."""
-        key = (fid, vectors, wgmma, split)
-        cap = self._capacity.get(key)
-        if cap is None:  # the instance depends on the load width, on T * H and on the mode
-            per_sm = self.mod.occupancy(fid, vectors, wgmma, split)
-            cap = self._capacity[key] = max(1, self._sms * per_sm // self._ranks_per_device)
-        return cap
+    def occupancy(self, variant: variants.Variant) -> int:
+        """CTAs per SM of one kernel instance (asked once: it depends on the instance only)."""
+        ctas = self._occupancy.get(variant)
+        if ctas is None:
+            ctas = self._occupancy[variant] = self.mod.occupancy(*variant)
+        return ctas
 
     def params(
         self,
@@ -438,18 +320,14 @@ class KernelScorer:
         compared with every peer's. ``cache_key``: see :meth:`parts`."""
         kv, ks, fid = self.parts(index_cache, cache_key)
         requests, pushed = block_table.shape[0], push is not None
-        key = (
-            requests, width, pushed, query_len, fid, WGMMA_MIN_ITEMS_PER_SM, WGMMA_RING_GPUS,
-            SPLIT_WARPS, RING_BYTES_PER_SM, RING_MIN_ITEMS_PER_SM, RING_SPLIT_PAGES,
-        )  # fmt: skip
+        key = (requests, width, pushed, query_len, fid, variants.tunables())
         shape = self._shapes.get(key)
         if shape is None:
             shape = self._shapes.put(key, self.grid(requests, width, pushed, query_len, fid))
         word = -1 if tag is None else tag  # int64 on the way in: -1 is NO_TAG's bits
         self.mod.score(
-            q, kv, ks, block_table, seq_lens, params, push, fid, shape.wgmma, shape.split,
-            shape.grid, word,
-        )  # fmt: skip
+            q, kv, ks, block_table, seq_lens, params, push, *shape.variant, shape.grid, word
+        )
 
     def parts(
         self, index_cache: layouts.Cache, cache_key: tuple | None = None
@@ -468,15 +346,14 @@ class KernelScorer:
                 ks = self._scale_bytes.get(scales, key)
                 if ks is None:
                     ks = self._scale_bytes.put(scales, scales.view(torch.uint8), key)
-            # 8-byte aligned nvfp4 tokens (vLLM's 72-byte tokens): their own kernel
-            return kv, ks, structs.NVFP4_NARROW if kv.stride(1) % 16 else self.fmt_id
+            return kv, ks, variants.cache_format(self.fmt, kv.stride(1))
         if index_cache.dtype != torch.uint8:
             return index_cache, None, self.fmt_id  # bf16/fp8: the cache itself
         # A page-major nvfp4 cache: its views and the kernel instance they take.
         views = self._views.get(index_cache, cache_key)
         if views is None:
             kv, ks = cache_parts(index_cache)
-            fid = structs.NVFP4_NARROW if kv.stride(1) % 16 else self.fmt_id
+            fid = variants.cache_format(self.fmt, kv.stride(1))
             views = self._views.put(index_cache, (kv, ks, fid), cache_key)
         return views
 

@@ -515,21 +515,6 @@ __global__ void __launch_bounds__(kFingerprintThreads)
   plan_fingerprint_cta(f);
 }
 
-// Query n-tiles per pass for `vectors` = T * H query vectors: registers hold every tile's query
-// fragment, so more than 4 tiles take several passes instead (the later passes find the page in
-// L2).
-int query_tiles(int vectors) {
-#if CP_USE_MMA || CP_MFMA
-  return vectors <= 8 ? 1 : vectors <= 16 ? 2 : 4;
-#else
-  (void)vectors;
-  return 1;
-#endif
-}
-
-// The whole-page (or warpgroup) instance, or with split (warps per page, 4 or 2) the split-page
-// one. Each split is its own instance: a runtime split count would cost the four-warp instance
-// registers and code in its page loop.
 // Allows instance (F, NT, W, S) its dynamic shared memory beyond the default 48 KiB, once per
 // device of this process (the limit is a per-device attribute of the function).
 template <int F, int NT, bool W, int S>
@@ -560,38 +545,8 @@ int launch_instance(const ScoreParams& p, const PushState* push, int grid, cp_st
   return (int)cp_get_last_error();
 }
 
-template <int F, int NT, bool W>
-int launch_nt(const ScoreParams& p, const PushState* push, int split, int grid, void* stream) {
-  static_assert(kSplitFewestWarps == 2, "split instances: four warps a page and two");
-  const auto stream_ = (cp_stream_t)stream;
-  if constexpr (!W) {
-    if (split == kWarpsPerCta) return launch_instance<F, NT, false, kWarpsPerCta>(p, push, grid, stream_);
-    if (split == 2) return launch_instance<F, NT, false, 2>(p, push, grid, stream_);
-  }
-  return launch_instance<F, NT, W, 0>(p, push, grid, stream_);
-}
-
-template <int F>
-int launch_format(const ScoreParams& p, const PushState* push, bool wgmma, int split, int grid,
-                  void* stream) {
-  if constexpr (!format_built(F)) return -1; else  // not in this module: nothing instantiated
-  switch (query_tiles(p.query_len * p.num_heads)) {
-    case 1: return launch_nt<F, 1, false>(p, push, split, grid, stream);
-#if CP_USE_MMA || CP_MFMA
-    case 2: return launch_nt<F, 2, false>(p, push, split, grid, stream);
-#if CP_WGMMA
-    case 4: return wgmma ? launch_nt<F, 4, true>(p, push, 0, grid, stream)
-                         : launch_nt<F, 4, false>(p, push, split, grid, stream);
-#else
-    case 4: return (void)wgmma, launch_nt<F, 4, false>(p, push, split, grid, stream);
-#endif
-#endif
-    default: return -1;
-  }
-}
-
-// CTAs per SM of the instance launch_nt runs for the same arguments (a push grid must be
-// resident at once, so each instance's grid is sized on its own occupancy).
+// CTAs per SM of an instance (a push grid must be resident at once, so each instance's grid is
+// sized on its own occupancy).
 template <int F, int NT, bool W, int S>
 int occupancy_instance(int* ctas) {
   const int rc = allow_smem<F, NT, W, S>();
@@ -599,49 +554,76 @@ int occupancy_instance(int* ctas) {
   return (int)cp_occupancy(ctas, score_kernel<F, NT, W, S>, kThreads, kDynSmem<F, S>);
 }
 
-template <int F, int NT, bool W>
-int occupancy_nt(int split, int* ctas) {
-  if constexpr (!W) {
-    if (split == kWarpsPerCta) return occupancy_instance<F, NT, false, kWarpsPerCta>(ctas);
-    if (split == 2) return occupancy_instance<F, NT, false, 2>(ctas);
-  }
-  return occupancy_instance<F, NT, W, 0>(ctas);
+// The instances a module holds (kernels/variants.py's instances() states the same list; the
+// build checks that they agree): for its formats (CP_FORMATS), whole pages and both splits of
+// one query tile, and of two and four on the tensor-core and matrix-core paths; the four-tile
+// warpgroup-mma instance on sm_90a. Each split is its own instance: a runtime split count would
+// cost the four-warp instance registers and code in its page loop.
+template <int F, int NT, bool W, int S>
+constexpr bool kBuilt = format_built(F) &&
+                        (NT == 1 || ((CP_USE_MMA || CP_MFMA) && (NT == 2 || NT == 4))) &&
+                        (W ? CP_WGMMA && NT == 4 && S == 0 : S == 0 || S == 2 || S == kWarpsPerCta);
+
+template <int F_, int NT_, bool W_, int S_>
+struct Instance {
+  static constexpr int F = F_, NT = NT_, S = S_;
+  static constexpr bool W = W_;
+};
+
+// fn(Instance<F, NT, W, S>{}) for the instance the launcher chose (kernels/variants.py decides;
+// this only maps its fields onto the template), -1 where this module has no such instance.
+template <int F, int NT, bool W, int S, class Fn>
+int visit(Fn& fn) {
+  if constexpr (kBuilt<F, NT, W, S>) return fn(Instance<F, NT, W, S>{});
+  else return -1;
 }
 
-template <int F>
-int occupancy_format(int vectors, bool wgmma, int split, int* ctas) {
-  if constexpr (!format_built(F)) return -1; else
-  switch (query_tiles(vectors)) {
-    case 1: return occupancy_nt<F, 1, false>(split, ctas);
-#if CP_USE_MMA || CP_MFMA
-    case 2: return occupancy_nt<F, 2, false>(split, ctas);
-#if CP_WGMMA
-    case 4: return wgmma ? occupancy_nt<F, 4, true>(0, ctas)
-                         : occupancy_nt<F, 4, false>(split, ctas);
-#else
-    case 4: return (void)wgmma, occupancy_nt<F, 4, false>(split, ctas);
-#endif
-#endif
+template <int F, int NT, class Fn>
+int with_split(bool wgmma, int split, Fn& fn) {
+  static_assert(kSplitFewestWarps == 2, "split instances: four warps a page and two");
+  if (wgmma) return split == 0 ? visit<F, NT, true, 0>(fn) : -1;
+  switch (split) {
+    case kWarpsPerCta: return visit<F, NT, false, kWarpsPerCta>(fn);
+    case 2: return visit<F, NT, false, 2>(fn);
+    case 0: return visit<F, NT, false, 0>(fn);
+    default: return -1;
+  }
+}
+
+template <int F, class Fn>
+int with_tiles(int tiles, bool wgmma, int split, Fn& fn) {
+  switch (tiles) {
+    case 1: return with_split<F, 1>(wgmma, split, fn);
+    case 2: return with_split<F, 2>(wgmma, split, fn);
+    case 4: return with_split<F, 4>(wgmma, split, fn);
+    default: return -1;
+  }
+}
+
+template <class Fn>
+int with_instance(int format, int tiles, bool wgmma, int split, Fn&& fn) {
+  switch (format) {
+    case kBF16: return with_tiles<kBF16>(tiles, wgmma, split, fn);
+    case kFP8: return with_tiles<kFP8>(tiles, wgmma, split, fn);
+    case kNVFP4: return with_tiles<kNVFP4>(tiles, wgmma, split, fn);
+    case kNVFP4Narrow: return with_tiles<kNVFP4Narrow>(tiles, wgmma, split, fn);
     default: return -1;
   }
 }
 
 }  // namespace
 
-int launch_score(const ScoreParams& p, const PushState* push, int format, bool wgmma, int split,
-                 int grid, void* stream) {
-  int rc;
-  switch (format) {
-    case kBF16: rc = launch_format<kBF16>(p, push, wgmma, split, grid, stream); break;
-    case kFP8: rc = launch_format<kFP8>(p, push, wgmma, split, grid, stream); break;
-    case kNVFP4: rc = launch_format<kNVFP4>(p, push, wgmma, split, grid, stream); break;
-    case kNVFP4Narrow: rc = launch_format<kNVFP4Narrow>(p, push, wgmma, split, grid, stream); break;
-    default: return -1;
-  }
+int launch_score(const ScoreParams& p, const PushState* push, int format, int tiles, bool wgmma,
+                 int split, int grid, void* stream) {
+  const auto stream_ = (cp_stream_t)stream;
+  const int rc = with_instance(format, tiles, wgmma, split, [&](auto i) {
+    using I = decltype(i);
+    return launch_instance<I::F, I::NT, I::W, I::S>(p, push, grid, stream_);
+  });
   if (rc != 0 || push != nullptr || (p.trailer <= 0 && p.topk <= 0)) return rc;
   const int ctas = p.topk > 0 ? warp_grid((int64_t)p.requests * p.query_len * p.num_heads)
                               : kAgreeCtas;
-  after_local_kernel<<<ctas, kThreads, 0, (cp_stream_t)stream>>>(p);
+  after_local_kernel<<<ctas, kThreads, 0, stream_>>>(p);
   return (int)cp_get_last_error();
 }
 
@@ -656,20 +638,15 @@ int launch_plan_fingerprint(const FingerprintParams& f, void* stream) {
   return (int)cp_get_last_error();
 }
 
-int score_occupancy(int format, int vectors, bool wgmma, int split, int* ctas_per_sm) {
-  switch (format) {
-    case kBF16: return occupancy_format<kBF16>(vectors, wgmma, split, ctas_per_sm);
-    case kFP8: return occupancy_format<kFP8>(vectors, wgmma, split, ctas_per_sm);
-    case kNVFP4: return occupancy_format<kNVFP4>(vectors, wgmma, split, ctas_per_sm);
-    case kNVFP4Narrow: return occupancy_format<kNVFP4Narrow>(vectors, wgmma, split, ctas_per_sm);
-    default: return -1;
-  }
+int score_occupancy(int format, int tiles, bool wgmma, int split, int* ctas_per_sm) {
+  return with_instance(format, tiles, wgmma, split, [&](auto i) {
+    using I = decltype(i);
+    return occupancy_instance<I::F, I::NT, I::W, I::S>(ctas_per_sm);
+  });
 }
 
-bool score_has_wgmma(int vectors) { return CP_WGMMA && query_tiles(vectors) == 4; }
-
-int score_split_warps(int format) {
-  return format >= kBF16 && format <= kNVFP4Narrow ? kSplitFewestWarps : 0;
+bool score_has_instance(int format, int tiles, bool wgmma, int split) {
+  return with_instance(format, tiles, wgmma, split, [](auto) { return 0; }) == 0;
 }
 
 }  // namespace cpindex
