@@ -15,6 +15,8 @@ from cpindex import partition, reference, testing
 HAS_GPU = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA/ROCm GPU")
 FORMATS = ["bf16", "fp8", "nvfp4"]
+#: Where a test runs on the CPU and, marked ``gpu`` (skipped without one), on GPU 0.
+DEVICES = ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu, id="cuda")]
 
 
 def force_warpgroup_mma(monkeypatch) -> None:
