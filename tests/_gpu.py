@@ -76,6 +76,13 @@ def assert_scores(got: torch.Tensor, want: torch.Tensor, rel: float = 1e-5) -> N
     assert worst <= rel, f"max relative error {worst:.3e} > {rel:.1e}"
 
 
+def settle(comm) -> None:
+    """Nothing of this rank in flight, and every rank here: in the one-process world, safe to
+    allocate, copy and check (docs/design.md)."""
+    torch.cuda.current_stream().synchronize()  # releases the GIL
+    comm.barrier()
+
+
 def kernel_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst[...] = src`` through an elementwise kernel. ``copy_``/``clone`` of contiguous tensors
     on one device are a device-to-device memcpy, which CUDA lists among the implicitly

@@ -18,7 +18,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _gpu import FORMATS, assert_scores, expected, for_rank, kernel_copy, needs_gpu, unambiguous
+from _gpu import (
+    FORMATS,
+    assert_scores,
+    expected,
+    for_rank,
+    kernel_copy,
+    needs_gpu,
+    settle,
+    unambiguous,
+)
 
 from cpindex import BadBlockTableError, CPIndexConfig, IndexCP, reference, testing
 from cpindex.comm import Comm
@@ -44,11 +53,6 @@ def _problem(requests: int, width: int, fmt: str, t: int, seed: int) -> testing.
     p = testing.make_problem(requests, (width - 1) * 128, fmt, query_len=t, seed=seed)
     p.width = width
     return p.to(DEV)
-
-
-def _settle(comm: Comm) -> None:
-    torch.cuda.current_stream().synchronize()  # releases the GIL
-    comm.barrier()
 
 
 def _device_calls(cp: IndexCP) -> torch.Tensor:
@@ -91,7 +95,7 @@ def test_both_sides_equal_the_reference_and_the_cp_path(fmt, t):
                         for k in ("gated", "always")
                     }
                 )
-            _settle(comm)  # every allocation done before the first push
+            settle(comm)  # every allocation done before the first push
             for (p, _), kept in zip(cases, keep, strict=True):
                 q = p.rank_queries(r, W)
                 for name, cp in (("gated", gated), ("always", always)):
@@ -105,7 +109,7 @@ def test_both_sides_equal_the_reference_and_the_cp_path(fmt, t):
                     kernel_copy(i_, ids)
                     kernel_copy(v_, vals)
                     ids.fill_(-7)
-                    _settle(comm)  # a selection below the gate may allocate: nobody pushes now
+                    settle(comm)  # a selection below the gate may allocate: nobody pushes now
             gated.check()
             always.check()
             for (p, _), kept in zip(cases, keep, strict=True):
@@ -155,7 +159,7 @@ def test_below_the_gate_rank_0_calls_alone():
                 small.rank_queries(r, W), small.index_cache,
                 cp.plan(small.block_table, small.seq_lens, width=small.width),
             )  # fmt: skip
-            _settle(comm)
+            settle(comm)
 
             def alone():
                 kernel_copy(count[0:1], _device_calls(cp))
@@ -171,13 +175,13 @@ def test_below_the_gate_rank_0_calls_alone():
             else:
                 comm.barrier()
                 alone()
-            _settle(comm)
+            settle(comm)
             bargs = (
                 big.rank_queries(r, W), big.index_cache,
                 cp.plan(big.block_table, big.seq_lens, width=big.width),
             )  # fmt: skip
             kernel_copy(after, cp.score_push(*bargs))
-            _settle(comm)
+            settle(comm)
             cp.check()
             return auto, lone.cpu(), ids.cpu(), after.cpu(), count.cpu().tolist()
 
@@ -213,7 +217,7 @@ def test_a_bad_page_below_the_gate_is_that_ranks_own():
             after = torch.empty(cp.heads_per_rank, big.rows, big.width, device=DEV)
             table = bad_table if r == 1 else small.block_table
             q = small.rank_queries(r, W)
-            _settle(comm)
+            settle(comm)
             cp.score_push(q, small.index_cache, cp.plan(table, small.seq_lens))
             torch.cuda.current_stream().synchronize()
             try:
@@ -228,7 +232,7 @@ def test_a_bad_page_below_the_gate_is_that_ranks_own():
                 cp.plan(big.block_table, big.seq_lens, width=big.width),
             )  # fmt: skip
             kernel_copy(after, cp.score_push(*bargs))
-            _settle(comm)
+            settle(comm)
             cp.check()
             return first, after.cpu()
 
@@ -275,7 +279,7 @@ def test_graph_replays_take_the_same_path():
             ]
             small, big = base
             paths = [cp.uses_cp(pl) for pl in plans]
-            _settle(comm)  # every rank's copies made before any push
+            settle(comm)  # every rank's copies made before any push
 
             def calls():
                 a = cp.score_push(st[0][0], small.index_cache, plans[0]).clone()
@@ -290,9 +294,9 @@ def test_graph_replays_take_the_same_path():
             # calls below the gate (the selection may allocate) and the push.
             cp.score_push(st[0][0], small.index_cache, plans[0])
             cp.select_blocks(st[0][0], small.index_cache, plans[0], topk=TOPK)
-            _settle(comm)
+            settle(comm)
             cp.score_push(st[1][0], big.index_cache, plans[1])
-            _settle(comm)
+            settle(comm)
             g, g_alone = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
             outs: list = []
             alone: list = []
@@ -314,9 +318,9 @@ def test_graph_replays_take_the_same_path():
                     o.fill_(float("nan") if o.is_floating_point() else -7)
                 for pl in plans:
                     pl.refresh()
-                _settle(comm)  # every rank's inputs in place before any push
+                settle(comm)  # every rank's inputs in place before any push
                 g.replay()
-                _settle(comm)
+                settle(comm)
                 got.append([o.cpu() for o in outs])
                 comm.barrier()
             counts = []

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 import torch
-from _gpu import assert_scores, expected, for_rank, kernel_copy
+from _gpu import assert_scores, expected, for_rank, kernel_copy, settle
 from _worlds import Worlds
 
 import cpindex
@@ -615,16 +615,10 @@ def _gpu_p() -> testing.Problem:
     return GPU_PROB
 
 
-def _settle(comm: Comm) -> None:
-    """Nothing of this rank in flight, and every rank here: safe to allocate and check."""
-    torch.cuda.current_stream().synchronize()  # releases the GIL
-    comm.barrier()
-
-
 def _call_and_check(cp: IndexCP, comm: Comm, prob: testing.Problem, **over: Any) -> dict[str, Any]:
     """One call, then (after every rank settled) what it raised, at once or from check()."""
     res = _attempt(lambda: _push(cp, prob, **over))
-    _settle(comm)
+    settle(comm)
     if res["type"] is None:
         res = _attempt(cp.check)
     return res
@@ -634,9 +628,9 @@ def _good(cp: IndexCP, comm: Comm) -> torch.Tensor:
     """A correct call after recovery; returns a copy of its output (compared by the test)."""
     p = _gpu_p()
     out = torch.empty(cp.heads_per_rank, p.rows, p.width, device=DEV)
-    _settle(comm)
+    settle(comm)
     kernel_copy(out, _push(cp, p))
-    _settle(comm)
+    settle(comm)
     return out
 
 
@@ -679,7 +673,7 @@ def test_refused_input_times_out_the_peer_and_reset_recovers():
             width = 33 if comm.rank == 1 else _gpu_p().width  # past max_width on rank 1
             first = _call_and_check(cp, comm, _gpu_p(), width=width)
             then = _attempt(lambda: _push(cp, _gpu_p()))
-            _settle(comm)
+            settle(comm)
             cp.reset()
             return first, then, _good(cp, comm)
 
@@ -767,7 +761,7 @@ def test_late_peer_times_out_refuses_calls_and_recovers():
             torch.cuda.current_stream().synchronize()
             checked = _attempt(cp.check)
             then = _attempt(lambda: _push(cp, _gpu_p(), iq=iq))
-            _settle(comm)
+            settle(comm)
             cp.reset()
             return first, checked, then, _good(cp, comm)
 
@@ -826,7 +820,7 @@ def test_sync_error_check_raises_in_the_failing_call():
         with IndexCP(_ipc_cfg(error_check="sync"), device=DEV, comm=comm) as cp:
             over = {"init_blocks": 1} if comm.rank == 1 else {}
             res = _attempt(lambda: _push(cp, _gpu_p(), **over))
-            _settle(comm)
+            settle(comm)
             cp.reset()
             return res, _good(cp, comm)
 
@@ -869,9 +863,9 @@ def test_nan_inputs_score_like_the_reference():
     def job(comm):
         with IndexCP(_ipc_cfg(), device=DEV, comm=comm) as cp:
             out = torch.empty(cp.heads_per_rank, prob.rows, prob.width, device=DEV)
-            _settle(comm)
+            settle(comm)
             kernel_copy(out, _push(cp, prob))
-            _settle(comm)
+            settle(comm)
             return out
 
     for rank, out in enumerate(_world(job)):
