@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from _failures import outcome
 from _gpu import assert_scores, expected, for_rank, kernel_copy, settle
 from _worlds import Worlds
 
@@ -88,26 +89,6 @@ def _want(rank: int, world: int, prob: testing.Problem) -> torch.Tensor:
     return full[partition.heads_of_rank(rank, full.shape[0], world)]
 
 
-def _err(e: BaseException) -> dict[str, Any]:
-    return {
-        "type": type(e).__name__,
-        "msg": str(e),
-        "peer": getattr(e, "peer", None),
-        "cpindex": isinstance(e, cpindex.CPIndexError),
-    }
-
-
-def _attempt(fn: Callable[[], Any]) -> dict[str, Any]:
-    t0 = time.monotonic()
-    try:
-        fn()
-        out: dict[str, Any] = {"type": None}
-    except Exception as e:
-        out = _err(e)
-    out["s"] = time.monotonic() - t0
-    return out
-
-
 def _correct(cp: cpindex.IndexCP, heads: int = 4) -> bool:
     p = _prob(heads)
     got = _push(cp, _args(cp.rank, cp.world_size, p)).clone()
@@ -139,14 +120,14 @@ def sc_tags(comm: Comm) -> dict:
             layers.append(cp.score_push(args["iq"], args["index_cache"], plan, tag=layer).clone())
         good = all(torch.equal(o, _want(rank, w, p)) for o in layers)
         iq, cache = args["iq"], args["index_cache"]
-        same = _attempt(lambda: cp.score_push(iq, cache, plan, tag=10))
+        same = outcome(lambda: cp.score_push(iq, cache, plan, tag=10))
         skipped = 12 if rank == 1 else 11  # rank 1 skipped the call tagged 11
-        second = _attempt(lambda: cp.select_blocks(iq, cache, plan, tag=skipped))
-        third = _attempt(lambda: cp.score_push(iq, cache, plan, tag=13))
+        second = outcome(lambda: cp.select_blocks(iq, cache, plan, tag=skipped))
+        third = outcome(lambda: cp.score_push(iq, cache, plan, tag=13))
         cp.reset()
         bad_tags = []
         for t in (-1, 1 << 63, 1.0, True):
-            bad_tags.append(_attempt(lambda t=t: cp.score_push(iq, cache, plan, tag=t)))
+            bad_tags.append(outcome(lambda t=t: cp.score_push(iq, cache, plan, tag=t)))
             cp.reset()
         return {"good": good, "same": same, "second": second, "third": third,
                 "bad_tags": bad_tags, "correct": _correct(cp)}  # fmt: skip
@@ -169,8 +150,8 @@ def sc_tables(comm: Comm) -> dict:
             args = _args(rank, w, p)
             if rank == 1:
                 args["block_table"] = table
-            out[name] = _attempt(lambda a=args: _push(cp, a))
-            out[name + "_after"] = _attempt(lambda: _correct(cp))  # broken until reset
+            out[name] = outcome(lambda a=args: _push(cp, a))
+            out[name + "_after"] = outcome(lambda: _correct(cp))  # broken until reset
             cp.reset()
         # A plan without a fingerprint slot (not made by this instance) is compared too.
         args = _args(rank, w, p)
@@ -178,7 +159,7 @@ def sc_tables(comm: Comm) -> dict:
             args["block_table"] = _flip(p.block_table)
         plan = cp.plan(args.pop("block_table"), args.pop("seq_lens"), width=args.pop("width"))
         bare = dataclasses.replace(plan, fingerprint=None)
-        out["bare_plan"] = _attempt(lambda: cp.score_push(args["iq"], args["index_cache"], bare))
+        out["bare_plan"] = outcome(lambda: cp.score_push(args["iq"], args["index_cache"], bare))
         cp.reset()
         padded = _args(rank, w, p)  # entries past each row's read columns: garbage per rank
         table = p.block_table.clone()
@@ -193,7 +174,7 @@ def sc_tables(comm: Comm) -> dict:
         args = _args(rank, w, p)
         if rank == 1:
             args["block_table"] = _flip(p.block_table)
-        out["unchecked"] = _attempt(lambda: _push(cp, args))
+        out["unchecked"] = outcome(lambda: _push(cp, args))
     return out
 
 
@@ -206,7 +187,7 @@ def sc_replicas(comm: Comm) -> dict:
         args = _args(rank, w, p)
         if rank == w - 1:
             args["iq"] = (args["iq"].float() * 0.5).to(torch.float8_e4m3fn)
-        res = _attempt(lambda: _push(cp, args))
+        res = outcome(lambda: _push(cp, args))
         cp.reset()
         return {"call": res, "correct": _correct(cp, heads)}
 
@@ -220,10 +201,10 @@ def sc_bad_tensor(comm: Comm) -> dict:
         if rank == 1:
             rows = [r.float() for r in args["iq"].unbind(0)]
             args["iq"] = torch.nested.nested_tensor(rows).to(torch.float8_e4m3fn)
-        nested = _attempt(lambda: _push(cp, args))
+        nested = outcome(lambda: _push(cp, args))
         cp.reset()
         width = p.width + (100 if rank == 1 else 0)  # rank 1's plan: past max_width
-        planned = _attempt(
+        planned = outcome(
             lambda: cp.score_push(
                 _args(rank, w, p)["iq"], p.index_cache, cp.plan(p.block_table, p.seq_lens,
                                                                 width=width)
@@ -270,12 +251,12 @@ def sc_resets(comm: Comm) -> dict:
             comm.barrier()
             if rank in who:
                 if kind == "reset":
-                    lone.append(_attempt(lambda: a.reset(timeout_s=LONE)))
+                    lone.append(outcome(lambda: a.reset(timeout_s=LONE)))
                 else:
-                    lone.append(_attempt(lambda: _push(b, _args(rank, w, p))))
+                    lone.append(outcome(lambda: _push(b, _args(rank, w, p))))
         comm.barrier()
-        joint = _attempt(a.reset)
-        again = _attempt(a.reset)  # repeated: harmless
+        joint = outcome(a.reset)
+        again = outcome(a.reset)  # repeated: harmless
         b.reset(timeout_s=5.0)
         out.append({
             "history": [(k, sorted(r)) for k, r in history], "lone": lone, "joint": joint,
@@ -306,7 +287,7 @@ def sc_threads(comm: Comm) -> dict:
             t.start()
             while not a._runner.others.locked():
                 time.sleep(0.001)
-            refused.append(_attempt(lambda o=other: _correct(o)))
+            refused.append(outcome(lambda o=other: _correct(o)))
             t.join()
         else:
             time.sleep(0.5)
@@ -329,7 +310,7 @@ def sc_store_host_dies(comm: Comm, save: Callable[[], None]) -> dict:
             os._exit(0)
 
         comm.all_to_all_into = die  # type: ignore[method-assign]
-    return _attempt(lambda: _push(cp, _args(rank, w, _prob())))
+    return outcome(lambda: _push(cp, _args(rank, w, _prob())))
 
 
 SCENARIOS: dict[str, Callable[[Comm], dict]] = {
@@ -557,10 +538,10 @@ def _call(cp: IndexCP, comm: Comm, prob: testing.Problem, **over: Any) -> dict[s
         plan = cp.plan(bt, lens, query_len=t, width=w, **args)
         kernel_copy(out, cp.score_push(iq, prob.index_cache, plan, tag=tag))
 
-    res = _attempt(call)
+    res = outcome(call)
     settle(comm)
     if res["type"] is None:
-        res = _attempt(cp.check)
+        res = outcome(cp.check)
     res["out"] = out
     return res
 
@@ -711,10 +692,10 @@ def test_select_blocks_disagreement_poisons_ids_and_scores():
                 kernel_copy(ids, i)
                 kernel_copy(vals, v)
 
-            res = _attempt(go)
+            res = outcome(go)
             settle(comm)
             if res["type"] is None:
-                res = _attempt(cp.check)
+                res = outcome(cp.check)
             return res, ids, vals
 
     for res, ids, vals in _world(2, job):
@@ -750,7 +731,7 @@ def test_a_captured_call_replays_its_tag():
             for _ in range(3):
                 graph.replay()
                 settle(comm)
-                outs.append(_attempt(cp.check) | {"out": view.clone()})
+                outs.append(outcome(cp.check) | {"out": view.clone()})
                 settle(comm)
             return outs
 

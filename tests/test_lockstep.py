@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 import torch
+from _failures import outcome
 from _gpu import assert_scores, expected, for_rank, kernel_copy, settle
 from _worlds import Worlds
 
@@ -107,28 +108,6 @@ def _want(rank: int, world: int, prob: testing.Problem | None = None) -> torch.T
     return full[partition.heads_of_rank(rank, full.shape[0], world)]
 
 
-def _err(e: BaseException) -> dict[str, Any]:
-    """What a scenario records of an error (plain data: it crosses processes)."""
-    cause = e.__cause__
-    return {
-        "type": type(e).__name__,
-        "msg": str(e),
-        "cause": type(cause).__name__ if cause is not None else None,
-        "peer": getattr(e, "peer", None),
-    }
-
-
-def _attempt(fn: Callable[[], Any]) -> dict[str, Any]:
-    t0 = time.monotonic()
-    try:
-        fn()
-        out: dict[str, Any] = {"type": None}
-    except Exception as e:
-        out = _err(e)
-    out["s"] = time.monotonic() - t0
-    return out
-
-
 def _correct(cp: cpindex.IndexCP) -> bool:
     out = _push(cp).clone()
     return bool(torch.equal(out, _want(cp.rank, cp.world_size)))
@@ -140,7 +119,7 @@ def _correct(cp: cpindex.IndexCP) -> bool:
 
 def sc_config_mismatch(comm: Comm, rank: int) -> dict:
     def build(**kw: Any) -> dict[str, Any]:
-        return _attempt(lambda: cpindex.IndexCP(_cfg(**kw), device="cpu", comm=comm).close())
+        return outcome(lambda: cpindex.IndexCP(_cfg(**kw), device="cpu", comm=comm).close())
 
     res = build(max_rows=8 if rank == 0 else 16)
     # transport and prefer_mori decide what 'auto' tries: both are shared fields
@@ -159,8 +138,8 @@ def sc_refused(comm: Comm, rank: int) -> dict:
     with cpindex.IndexCP(_cfg(), device="cpu", comm=comm) as cp:
         # rank 1's width is past max_width: refused before anything is exchanged, and rank 0
         # learns it at once (no timeout)
-        first = _attempt(lambda: _push(cp, width=25 if rank == 1 else 10))
-        then = _attempt(lambda: _push(cp))
+        first = outcome(lambda: _push(cp, width=25 if rank == 1 else 10))
+        then = outcome(lambda: _push(cp))
         cp.reset()
         return {"first": first, "then": then, "correct": _correct(cp)}
 
@@ -194,8 +173,8 @@ def sc_mismatch(comm: Comm, rank: int) -> dict:
         for field, change in MISMATCHES.items():
             base = _prob(4) if field in ROWS4 else None
             over = change() if rank == 1 else {}
-            res = _attempt(lambda p=base, o=over: _push(cp, p, **o))
-            after = _attempt(lambda: _push(cp))
+            res = outcome(lambda p=base, o=over: _push(cp, p, **o))
+            after = outcome(lambda: _push(cp))
             cp.reset()
             out[field] = {"call": res, "after": after, "correct": _correct(cp)}
     return out
@@ -205,8 +184,8 @@ def sc_instances_order(comm: Comm, rank: int) -> dict:
     a = cpindex.IndexCP(_cfg(), device="cpu", comm=comm)
     b = cpindex.IndexCP(_cfg(), device="cpu", comm=comm)
     order = (a, b) if rank == 0 else (b, a)
-    first = _attempt(lambda: _push(order[0]))
-    second = _attempt(lambda: _push(order[1]))
+    first = outcome(lambda: _push(order[0]))
+    second = outcome(lambda: _push(order[1]))
     a.reset()
     b.reset()
     res = {"first": first, "second": second, "a": _correct(a), "b": _correct(b)}
@@ -219,13 +198,13 @@ def sc_late_peer(comm: Comm, rank: int) -> dict:
     with cpindex.IndexCP(_cfg(timeout_s=TIMEOUT), device="cpu", comm=comm) as cp:
         if rank == 1:
             time.sleep(1.5 * TIMEOUT)  # rank 0 gives up on the call meanwhile
-            late = _attempt(lambda: _push(cp))  # joins the abandoned call: raises at once
+            late = outcome(lambda: _push(cp))  # joins the abandoned call: raises at once
             res = {"late": late}
         else:
-            timed_out = _attempt(lambda: _push(cp))
-            refused = _attempt(lambda: _push(cp))  # broken until reset, nothing exchanged
+            timed_out = outcome(lambda: _push(cp))
+            refused = outcome(lambda: _push(cp))  # broken until reset, nothing exchanged
             res = {"timed_out": timed_out, "refused": refused}
-        res["reset"] = _attempt(cp.reset)  # rank 0 waits here for rank 1 (within TIMEOUT)
+        res["reset"] = outcome(cp.reset)  # rank 0 waits here for rank 1 (within TIMEOUT)
         res["correct"] = _correct(cp)
     return res
 
@@ -237,9 +216,9 @@ def sc_reset_missed(comm: Comm, rank: int) -> dict:
         _push(cp)
         if rank == 1:
             time.sleep(1.5 * TIMEOUT)  # misses rank 0's reset
-            res = {"first": _attempt(cp.reset)}
+            res = {"first": outcome(cp.reset)}
         else:
-            res = {"first": _attempt(cp.reset), "second": _attempt(cp.reset)}
+            res = {"first": outcome(cp.reset), "second": outcome(cp.reset)}
         res["correct"] = _correct(cp)
         return res
 
@@ -250,8 +229,8 @@ def sc_close_meet(comm: Comm, rank: int) -> dict:
     both."""
     if rank == 1:
         time.sleep(1.5 * TIMEOUT)  # misses round a
-    missed = _attempt(lambda: lockstep.meet(comm, "close-test/a", TIMEOUT, what="close"))
-    both = _attempt(lambda: lockstep.meet(comm, "close-test/b", TIMEOUT, what="close"))
+    missed = outcome(lambda: lockstep.meet(comm, "close-test/a", TIMEOUT, what="close"))
+    both = outcome(lambda: lockstep.meet(comm, "close-test/b", TIMEOUT, what="close"))
     return {"missed": missed, "both": both}
 
 
@@ -272,10 +251,10 @@ def sc_stall_in_call(comm: Comm, rank: int) -> dict:
         from cpindex.transports import collective
 
         collective.reference.block_scores = slow  # type: ignore[attr-defined]
-    stalled = _attempt(lambda: _push(a))
+    stalled = outcome(lambda: _push(a))
     if rank == 0:
         time.sleep(2 * TIMEOUT)  # reset once rank 1 is back (its call ends after its stall)
-    reset = _attempt(a.reset)
+    reset = outcome(a.reset)
     return {"stalled": stalled, "reset": reset}
 
 
@@ -501,7 +480,7 @@ def _dead_peer_rank(rank: int, world: int, path: str, who_dies: int) -> None:
             os._exit(0)
         comm.all_to_all_into = lambda *a, **k: os._exit(0)  # type: ignore[method-assign]
     time.sleep(0.2 if who_dies == 0 else 0.0)
-    lost = _attempt(lambda: _push(cp))
+    lost = outcome(lambda: _push(cp))
     torch.save(lost, Path(path) / f"rank{rank}.pt")
     os._exit(0)  # skip destroy_process_group: its peer is gone
 
@@ -617,10 +596,10 @@ def _gpu_p() -> testing.Problem:
 
 def _call_and_check(cp: IndexCP, comm: Comm, prob: testing.Problem, **over: Any) -> dict[str, Any]:
     """One call, then (after every rank settled) what it raised, at once or from check()."""
-    res = _attempt(lambda: _push(cp, prob, **over))
+    res = outcome(lambda: _push(cp, prob, **over))
     settle(comm)
     if res["type"] is None:
-        res = _attempt(cp.check)
+        res = outcome(cp.check)
     return res
 
 
@@ -653,7 +632,7 @@ def _world(fn):
 )
 def test_construction_mismatch_raises_on_every_rank(field, values):
     def job(comm):
-        return _attempt(
+        return outcome(
             lambda: IndexCP(_ipc_cfg(**{field: values[comm.rank]}), device=DEV, comm=comm)
         )
 
@@ -672,7 +651,7 @@ def test_refused_input_times_out_the_peer_and_reset_recovers():
         with IndexCP(_ipc_cfg(), device=DEV, comm=comm) as cp:
             width = 33 if comm.rank == 1 else _gpu_p().width  # past max_width on rank 1
             first = _call_and_check(cp, comm, _gpu_p(), width=width)
-            then = _attempt(lambda: _push(cp, _gpu_p()))
+            then = outcome(lambda: _push(cp, _gpu_p()))
             settle(comm)
             cp.reset()
             return first, then, _good(cp, comm)
@@ -757,10 +736,10 @@ def test_late_peer_times_out_refuses_calls_and_recovers():
             iq = _gpu_p().rank_queries(cp.rank, cp.world_size)  # before any push may spin
             if comm.rank == 1:
                 time.sleep(3 * IPC_TIMEOUT)  # rank 0's kernel gives up meanwhile
-            first = _attempt(lambda: _push(cp, _gpu_p(), iq=iq))
+            first = outcome(lambda: _push(cp, _gpu_p(), iq=iq))
             torch.cuda.current_stream().synchronize()
-            checked = _attempt(cp.check)
-            then = _attempt(lambda: _push(cp, _gpu_p(), iq=iq))
+            checked = outcome(cp.check)
+            then = outcome(lambda: _push(cp, _gpu_p(), iq=iq))
             settle(comm)
             cp.reset()
             return first, checked, then, _good(cp, comm)
@@ -780,10 +759,10 @@ def test_reset_is_bounded_and_names_who_did_not_come_ipc():
         with IndexCP(_ipc_cfg(), device=DEV, comm=comm) as cp:
             if comm.rank == 1:
                 time.sleep(1.5 * IPC_TIMEOUT)  # misses rank 0's first reset, joins its second
-            first = _attempt(cp.reset)
+            first = outcome(cp.reset)
             # rank 0 resets again; rank 1's one late reset walks past the round rank 0 gave up
             # on and meets rank 0's second
-            second = _attempt(cp.reset) if comm.rank == 0 else {"type": None}
+            second = outcome(cp.reset) if comm.rank == 0 else {"type": None}
             return first, second, _good(cp, comm)
 
     (f0, s0, out0), (f1, s1, out1) = _world(job)
@@ -805,7 +784,7 @@ def test_close_is_bounded_and_names_who_did_not_come():
         _good(cp, comm)
         if comm.rank == 1:
             time.sleep(1.5 * IPC_TIMEOUT)  # rank 0 gives up waiting for this rank's close
-        return _attempt(cp.close)
+        return outcome(cp.close)
 
     c0, c1 = _world(job)
     assert c0["type"] == PeerTimeoutError.__name__ and c0["peer"] == 1, c0
@@ -819,7 +798,7 @@ def test_sync_error_check_raises_in_the_failing_call():
     def job(comm):
         with IndexCP(_ipc_cfg(error_check="sync"), device=DEV, comm=comm) as cp:
             over = {"init_blocks": 1} if comm.rank == 1 else {}
-            res = _attempt(lambda: _push(cp, _gpu_p(), **over))
+            res = outcome(lambda: _push(cp, _gpu_p(), **over))
             settle(comm)
             cp.reset()
             return res, _good(cp, comm)
