@@ -52,7 +52,7 @@ from cpindex.spawn import spawn_processes
 from cpindex.validation import Call
 from cpindex.world import run_threads
 
-TIMEOUT = 1.0  # config.timeout_s of the scenarios that wait for a late rank
+TIMEOUT = 0.75  # config.timeout_s of the scenarios that wait for a late rank
 SLACK = 1.5  # what a bounded wait may take past its timeout_s (store round trips, scheduling)
 GUARD_S = 240  # no test of this file may run longer (the first gloo test starts the world)
 
