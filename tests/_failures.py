@@ -40,17 +40,20 @@ def cfg(**kw: Any) -> CPIndexConfig:
 
 
 def outcome(fn: Callable[[], Any]) -> dict[str, Any]:
-    """``fn()``'s outcome: the exception's type, message, peer, and whether it is a library
-    error, or ``type`` None; and the seconds it took."""
+    """``fn()``'s outcome as plain data (it crosses processes): the exception's type, message,
+    peer, cause's type, and whether it is a library error, or ``type`` None; and the seconds
+    it took."""
     t0 = time.monotonic()
     try:
         fn()
         out: dict[str, Any] = {"type": None}
     except Exception as e:
+        cause = e.__cause__
         out = {
             "type": type(e).__name__,
             "msg": str(e),
             "peer": getattr(e, "peer", None),
+            "cause": type(cause).__name__ if cause is not None else None,
             "cpindex": isinstance(e, cpindex.CPIndexError),
             "arg": isinstance(e, (TypeError, ValueError)),
         }

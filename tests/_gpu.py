@@ -15,6 +15,8 @@ from cpindex import partition, reference, testing
 HAS_GPU = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA/ROCm GPU")
 FORMATS = ["bf16", "fp8", "nvfp4"]
+#: Where a test runs on the CPU and, marked ``gpu`` (skipped without one), on GPU 0.
+DEVICES = ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu, id="cuda")]
 
 
 def force_warpgroup_mma(monkeypatch) -> None:
@@ -72,6 +74,13 @@ def assert_scores(got: torch.Tensor, want: torch.Tensor, rel: float = 1e-5) -> N
     err = ((got - want).abs() / row_max)[~forced]
     worst = err.max().item() if err.numel() else 0.0
     assert worst <= rel, f"max relative error {worst:.3e} > {rel:.1e}"
+
+
+def settle(comm) -> None:
+    """Nothing of this rank in flight, and every rank here: in the one-process world, safe to
+    allocate, copy and check (docs/design.md)."""
+    torch.cuda.current_stream().synchronize()  # releases the GIL
+    comm.barrier()
 
 
 def kernel_copy(dst: torch.Tensor, src: torch.Tensor) -> None:

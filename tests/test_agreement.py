@@ -27,12 +27,14 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from _failures import outcome
+from _gpu import assert_scores, expected, for_rank, kernel_copy, settle
 from _worlds import Worlds
 
 import cpindex
-from cpindex import partition, reference, testing
+from cpindex import CPIndexConfig, IndexCP, OutOfStepError, partition, reference, testing
 from cpindex.comm import Comm, TorchComm
-from cpindex.config import CPIndexConfig
+from cpindex.world import in_turn, run_threads
 
 pytestmark = pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
 
@@ -87,26 +89,6 @@ def _want(rank: int, world: int, prob: testing.Problem) -> torch.Tensor:
     return full[partition.heads_of_rank(rank, full.shape[0], world)]
 
 
-def _err(e: BaseException) -> dict[str, Any]:
-    return {
-        "type": type(e).__name__,
-        "msg": str(e),
-        "peer": getattr(e, "peer", None),
-        "cpindex": isinstance(e, cpindex.CPIndexError),
-    }
-
-
-def _attempt(fn: Callable[[], Any]) -> dict[str, Any]:
-    t0 = time.monotonic()
-    try:
-        fn()
-        out: dict[str, Any] = {"type": None}
-    except Exception as e:
-        out = _err(e)
-    out["s"] = time.monotonic() - t0
-    return out
-
-
 def _correct(cp: cpindex.IndexCP, heads: int = 4) -> bool:
     p = _prob(heads)
     got = _push(cp, _args(cp.rank, cp.world_size, p)).clone()
@@ -138,14 +120,14 @@ def sc_tags(comm: Comm) -> dict:
             layers.append(cp.score_push(args["iq"], args["index_cache"], plan, tag=layer).clone())
         good = all(torch.equal(o, _want(rank, w, p)) for o in layers)
         iq, cache = args["iq"], args["index_cache"]
-        same = _attempt(lambda: cp.score_push(iq, cache, plan, tag=10))
+        same = outcome(lambda: cp.score_push(iq, cache, plan, tag=10))
         skipped = 12 if rank == 1 else 11  # rank 1 skipped the call tagged 11
-        second = _attempt(lambda: cp.select_blocks(iq, cache, plan, tag=skipped))
-        third = _attempt(lambda: cp.score_push(iq, cache, plan, tag=13))
+        second = outcome(lambda: cp.select_blocks(iq, cache, plan, tag=skipped))
+        third = outcome(lambda: cp.score_push(iq, cache, plan, tag=13))
         cp.reset()
         bad_tags = []
         for t in (-1, 1 << 63, 1.0, True):
-            bad_tags.append(_attempt(lambda t=t: cp.score_push(iq, cache, plan, tag=t)))
+            bad_tags.append(outcome(lambda t=t: cp.score_push(iq, cache, plan, tag=t)))
             cp.reset()
         return {"good": good, "same": same, "second": second, "third": third,
                 "bad_tags": bad_tags, "correct": _correct(cp)}  # fmt: skip
@@ -168,8 +150,8 @@ def sc_tables(comm: Comm) -> dict:
             args = _args(rank, w, p)
             if rank == 1:
                 args["block_table"] = table
-            out[name] = _attempt(lambda a=args: _push(cp, a))
-            out[name + "_after"] = _attempt(lambda: _correct(cp))  # broken until reset
+            out[name] = outcome(lambda a=args: _push(cp, a))
+            out[name + "_after"] = outcome(lambda: _correct(cp))  # broken until reset
             cp.reset()
         # A plan without a fingerprint slot (not made by this instance) is compared too.
         args = _args(rank, w, p)
@@ -177,7 +159,7 @@ def sc_tables(comm: Comm) -> dict:
             args["block_table"] = _flip(p.block_table)
         plan = cp.plan(args.pop("block_table"), args.pop("seq_lens"), width=args.pop("width"))
         bare = dataclasses.replace(plan, fingerprint=None)
-        out["bare_plan"] = _attempt(lambda: cp.score_push(args["iq"], args["index_cache"], bare))
+        out["bare_plan"] = outcome(lambda: cp.score_push(args["iq"], args["index_cache"], bare))
         cp.reset()
         padded = _args(rank, w, p)  # entries past each row's read columns: garbage per rank
         table = p.block_table.clone()
@@ -192,7 +174,7 @@ def sc_tables(comm: Comm) -> dict:
         args = _args(rank, w, p)
         if rank == 1:
             args["block_table"] = _flip(p.block_table)
-        out["unchecked"] = _attempt(lambda: _push(cp, args))
+        out["unchecked"] = outcome(lambda: _push(cp, args))
     return out
 
 
@@ -205,7 +187,7 @@ def sc_replicas(comm: Comm) -> dict:
         args = _args(rank, w, p)
         if rank == w - 1:
             args["iq"] = (args["iq"].float() * 0.5).to(torch.float8_e4m3fn)
-        res = _attempt(lambda: _push(cp, args))
+        res = outcome(lambda: _push(cp, args))
         cp.reset()
         return {"call": res, "correct": _correct(cp, heads)}
 
@@ -219,10 +201,10 @@ def sc_bad_tensor(comm: Comm) -> dict:
         if rank == 1:
             rows = [r.float() for r in args["iq"].unbind(0)]
             args["iq"] = torch.nested.nested_tensor(rows).to(torch.float8_e4m3fn)
-        nested = _attempt(lambda: _push(cp, args))
+        nested = outcome(lambda: _push(cp, args))
         cp.reset()
         width = p.width + (100 if rank == 1 else 0)  # rank 1's plan: past max_width
-        planned = _attempt(
+        planned = outcome(
             lambda: cp.score_push(
                 _args(rank, w, p)["iq"], p.index_cache, cp.plan(p.block_table, p.seq_lens,
                                                                 width=width)
@@ -269,12 +251,12 @@ def sc_resets(comm: Comm) -> dict:
             comm.barrier()
             if rank in who:
                 if kind == "reset":
-                    lone.append(_attempt(lambda: a.reset(timeout_s=LONE)))
+                    lone.append(outcome(lambda: a.reset(timeout_s=LONE)))
                 else:
-                    lone.append(_attempt(lambda: _push(b, _args(rank, w, p))))
+                    lone.append(outcome(lambda: _push(b, _args(rank, w, p))))
         comm.barrier()
-        joint = _attempt(a.reset)
-        again = _attempt(a.reset)  # repeated: harmless
+        joint = outcome(a.reset)
+        again = outcome(a.reset)  # repeated: harmless
         b.reset(timeout_s=5.0)
         out.append({
             "history": [(k, sorted(r)) for k, r in history], "lone": lone, "joint": joint,
@@ -305,7 +287,7 @@ def sc_threads(comm: Comm) -> dict:
             t.start()
             while not a._runner.others.locked():
                 time.sleep(0.001)
-            refused.append(_attempt(lambda o=other: _correct(o)))
+            refused.append(outcome(lambda o=other: _correct(o)))
             t.join()
         else:
             time.sleep(0.5)
@@ -328,7 +310,7 @@ def sc_store_host_dies(comm: Comm, save: Callable[[], None]) -> dict:
             os._exit(0)
 
         comm.all_to_all_into = die  # type: ignore[method-assign]
-    return _attempt(lambda: _push(cp, _args(rank, w, _prob())))
+    return outcome(lambda: _push(cp, _args(rank, w, _prob())))
 
 
 SCENARIOS: dict[str, Callable[[Comm], dict]] = {
@@ -514,3 +496,246 @@ def test_store_host_dying_mid_call_is_a_lost_connection(world, tmp_path_factory)
         assert e["type"] == "PeerConnectionError" and e["cpindex"], (rank, e)
         assert "rank 0" in e["msg"] and e["peer"] == 0, (rank, e)
         assert e["s"] < 3.0 + SLACK, (rank, e)
+
+
+# --------------------------------------------------------------------------- on a GPU
+# Tags and the agreement hash of the peer-push transports (``ipc``) in the one-process GPU
+# world (docs/contract.md §5): ranks whose calls carry different tags, read different
+# block-table entries or lengths, or (replicated heads) deliver different queries all raise
+# ``OutOfStepError`` and never return a mix of their data; entries a call does not read never
+# count; a captured call replays its tag. Skipped without a GPU.
+
+DEV = "cuda:0"
+
+
+def _ipc_cfg(**kw: Any) -> CPIndexConfig:
+    base = dict(transport="ipc", cache_format="fp8", max_rows=16, max_width=32, timeout_s=2.0)
+    return CPIndexConfig(**{**base, **kw})
+
+
+def _gpu_prob(query_len: int = 1, num_heads: int = 4) -> testing.Problem:
+    return testing.make_problem(
+        3, 12 * 128, "fp8", query_len=query_len, num_heads=num_heads, seed=77, device=DEV
+    )
+
+
+def _call(cp: IndexCP, comm: Comm, prob: testing.Problem, **over: Any) -> dict[str, Any]:
+    """One score_push; after every rank settled, what it raised (at once or from check()),
+    and a copy of its output."""
+    args = dict(
+        query_len=prob.query_len,
+        width=prob.width,
+        tag=None,
+    )
+    args.update(over)
+    bt = args.pop("block_table", prob.block_table)
+    lens = args.pop("seq_lens", prob.seq_lens)
+    iq = args.pop("iq", prob.rank_queries(cp.rank, cp.world_size))
+    out = torch.empty(cp.heads_per_rank, prob.rows, prob.width, device=DEV)
+    t, w, tag = args.pop("query_len"), args.pop("width"), args.pop("tag")
+
+    def call() -> None:
+        plan = cp.plan(bt, lens, query_len=t, width=w, **args)
+        kernel_copy(out, cp.score_push(iq, prob.index_cache, plan, tag=tag))
+
+    res = outcome(call)
+    settle(comm)
+    if res["type"] is None:
+        res = outcome(cp.check)
+    res["out"] = out
+    return res
+
+
+def _gpu_want(prob: testing.Problem, rank: int, world: int) -> torch.Tensor:
+    return for_rank(expected(prob, 0, 1), rank, world)
+
+
+def _world(world: int, fn):
+    return run_threads(world, fn, device=DEV, timeout_s=60)
+
+
+@pytest.mark.gpu
+def test_equal_tags_pass_and_different_tags_raise_on_every_rank_naming_both():
+    prob = _gpu_prob()
+
+    def job(comm):
+        with IndexCP(_ipc_cfg(), device=DEV, comm=comm) as cp:
+            same = _call(cp, comm, prob, tag=41)
+            differ = _call(cp, comm, prob, tag=42 + comm.rank)
+            cp.reset()
+            after = _call(cp, comm, prob, tag=43)
+            return same, differ, after
+
+    for rank, (same, differ, after) in enumerate(_world(2, job)):
+        assert same["type"] is None, same
+        assert_scores(same["out"], _gpu_want(prob, rank, 2))
+        assert differ["type"] == OutOfStepError.__name__, differ
+        mine, theirs = 42 + rank, 43 - rank
+        assert f"tag {mine} here, tag {theirs} on rank {1 - rank}" in differ["msg"], differ
+        assert after["type"] is None, after
+        assert_scores(after["out"], _gpu_want(prob, rank, 2))
+
+
+@pytest.mark.gpu
+def test_a_tag_against_no_tag_raises():
+    prob = _gpu_prob()
+
+    def job(comm):
+        with IndexCP(_ipc_cfg(), device=DEV, comm=comm) as cp:
+            return _call(cp, comm, prob, tag=7 if comm.rank == 0 else None)
+
+    for r in _world(2, job):
+        assert r["type"] == OutOfStepError.__name__ and "no tag" in r["msg"], r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("what", ["page", "length", "swapped rows"])
+def test_ranks_reading_other_tables_raise_and_return_nan(what):
+    prob = _gpu_prob()
+
+    def job(comm):
+        bt, lens = prob.block_table.clone(), prob.seq_lens.clone()
+        if comm.rank == 1:
+            if what == "page":  # request 0 is the longest (12 blocks): block 2 is read
+                bt[0, 2] = (bt[0, 2] + 1) % prob.index_cache.shape[0]
+            elif what == "length":
+                lens[0] -= 1
+            else:
+                bt[[0, 2]] = bt[[2, 0]]
+        torch.cuda.synchronize()
+        with IndexCP(_ipc_cfg(), device=DEV, comm=comm) as cp:
+            bad = _call(cp, comm, prob, block_table=bt, seq_lens=lens)
+            cp.reset()
+            good = _call(cp, comm, prob)
+            return bad, good
+
+    for rank, (bad, good) in enumerate(_world(2, job)):
+        assert bad["type"] == OutOfStepError.__name__, (rank, bad)
+        assert "disagree" in bad["msg"], bad
+        assert torch.isnan(bad["out"]).all(), "a disagreeing call's scores must all be NaN"
+        assert good["type"] is None, good
+        assert_scores(good["out"], _gpu_want(prob, rank, 2))
+
+
+@pytest.mark.gpu
+def test_entries_a_call_does_not_read_never_count():
+    """Padding past a request's blocks, forced blocks and columns past width may differ."""
+    prob = _gpu_prob()
+
+    def job(comm):
+        bt = torch.cat([prob.block_table, prob.block_table[:, :3]], dim=1).contiguous()
+        if comm.rank == 1:
+            n = (prob.seq_lens.long() + 127) // 128
+            for i in range(bt.shape[0]):
+                bt[i, int(n[i]) - 1 :] = 12345 + i  # the local block and the padding
+        torch.cuda.synchronize()
+        with IndexCP(_ipc_cfg(), device=DEV, comm=comm) as cp:
+            return _call(cp, comm, prob, block_table=bt)
+
+    for rank, r in enumerate(_world(2, job)):
+        assert r["type"] is None, r
+        assert_scores(r["out"], _gpu_want(prob, rank, 2))
+
+
+@pytest.mark.gpu
+def test_replicated_heads_with_other_queries_raise():
+    """W = 4, H = 2: ranks 0 and 2 hold head 0; rank 2's queries differ."""
+    prob = _gpu_prob(num_heads=2)
+
+    def job(comm):
+        iq = prob.rank_queries(comm.rank, comm.world_size).clone()
+        if comm.rank == 2:
+            iq[0, 0, 0] = (iq[0, 0, 0].float() + 1).to(iq.dtype)
+        torch.cuda.synchronize()
+        with IndexCP(_ipc_cfg(num_heads=2), device=DEV, comm=comm) as cp:
+            return _call(cp, comm, prob, iq=iq)
+
+    for r in _world(4, job):
+        assert r["type"] == OutOfStepError.__name__, r
+        assert "rank 2's queries differ from rank 0's" in r["msg"], r
+
+
+@pytest.mark.gpu
+def test_agreement_can_be_turned_off():
+    prob = _gpu_prob()
+
+    def job(comm):
+        bt = prob.block_table.clone()
+        if comm.rank == 1:
+            bt[0, 2] = (bt[0, 2] + 1) % prob.index_cache.shape[0]
+        torch.cuda.synchronize()
+        with IndexCP(_ipc_cfg(fingerprint=False), device=DEV, comm=comm) as cp:
+            return _call(cp, comm, prob, block_table=bt)
+
+    for r in _world(2, job):
+        assert r["type"] is None, r  # unchecked: the contract says so
+
+
+@pytest.mark.gpu
+def test_select_blocks_disagreement_poisons_ids_and_scores():
+    prob = _gpu_prob()
+
+    def job(comm):
+        bt = prob.block_table.clone()
+        if comm.rank == 1:
+            bt[0, 3] = (bt[0, 3] + 1) % prob.index_cache.shape[0]
+        torch.cuda.synchronize()
+        with IndexCP(_ipc_cfg(), device=DEV, comm=comm) as cp:
+            ids = torch.empty(cp.heads_per_rank, prob.rows, 4, dtype=torch.int32, device=DEV)
+            vals = torch.empty(cp.heads_per_rank, prob.rows, 4, device=DEV)
+
+            def go():
+                i, v = cp.select_blocks(
+                    prob.rank_queries(cp.rank, cp.world_size), prob.index_cache,
+                    cp.plan(bt, prob.seq_lens, width=prob.width), topk=4, return_scores=True,
+                )  # fmt: skip
+                kernel_copy(ids, i)
+                kernel_copy(vals, v)
+
+            res = outcome(go)
+            settle(comm)
+            if res["type"] is None:
+                res = outcome(cp.check)
+            return res, ids, vals
+
+    for res, ids, vals in _world(2, job):
+        assert res["type"] == OutOfStepError.__name__, res
+        assert (ids == -1).all() and torch.isnan(vals).all()
+
+
+@pytest.mark.gpu
+def test_a_captured_call_replays_its_tag():
+    prob = _gpu_prob()
+
+    def job(comm):
+        with IndexCP(_ipc_cfg(), device=DEV, comm=comm) as cp:
+            iq = prob.rank_queries(cp.rank, cp.world_size)
+            args = (
+                iq,
+                prob.index_cache,
+                cp.plan(prob.block_table, prob.seq_lens, width=prob.width),
+            )
+            _call(cp, comm, prob, tag=5)  # warm-up outside capture
+            graph = torch.cuda.CUDAGraph()
+            views = []
+
+            def capture():  # one rank at a time: concurrent captures from threads fail
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                    views.append(cp.score_push(*args, tag=9))
+
+            settle(comm)
+            in_turn(comm, capture)
+            settle(comm)
+            view = views[0]
+            outs = []
+            for _ in range(3):
+                graph.replay()
+                settle(comm)
+                outs.append(outcome(cp.check) | {"out": view.clone()})
+                settle(comm)
+            return outs
+
+    for rank, outs in enumerate(_world(2, job)):
+        for r in outs:
+            assert r["type"] is None, r
+            assert_scores(r["out"], _gpu_want(prob, rank, 2))

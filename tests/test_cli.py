@@ -416,14 +416,14 @@ def test_gate_config_is_built_from_the_spec_and_the_world():
          "on 4 ranks needs about "),
         (["bench", "--out", "/nonexistent/x.json"], "cpindex bench: error: --out "
          "/nonexistent/x.json: directory '/nonexistent' does not exist"),
-        (["demo", "--format", "int4"], "cpindex demo: error: argument --format: invalid choice"),
     ],
 )  # fmt: skip
 def test_misuse_is_one_line_and_exit_2(tmp_path, argv, says):
     """What a user can get wrong, run as they run it: one line on stderr, exit 2, in seconds
     (sizes refused from the library's buffer model and the machine's free memory before
-    anything is allocated; the output path before the run). The other refusals are checked
-    in this process (test_arguments_are_checked_before_any_rank_starts)."""
+    anything is allocated; the output path before the run). The other refusals, argparse's
+    among them, are checked in this process (test_bad_arguments_exit_2_in_one_line,
+    test_arguments_are_checked_before_any_rank_starts)."""
     res = _cpindex(*argv, timeout=60, env={"TMPDIR": str(tmp_path)})
     assert res.returncode == 2, (res.stdout, res.stderr[-3000:])
     assert res.stderr.startswith(says), res.stderr

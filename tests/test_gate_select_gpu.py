@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _gpu import FORMATS, kernel_copy, needs_gpu, unambiguous
+from _gpu import FORMATS, kernel_copy, needs_gpu, settle, unambiguous
 
 from cpindex import CPIndexConfig, IndexCP, partition, reference, testing
 from cpindex.comm import Comm
@@ -77,11 +77,6 @@ def select_from(scores: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Te
     return ids, vals
 
 
-def _settle(comm: Comm) -> None:
-    torch.cuda.current_stream().synchronize()  # releases the GIL
-    comm.barrier()
-
-
 def _run(fmt: str, t: int, world: int, heads: int, transport: str) -> list:
     probs = _problems(fmt, t, heads)
 
@@ -114,7 +109,7 @@ def _run(fmt: str, t: int, world: int, heads: int, transport: str) -> list:
                     for name in ("local", "cp")
                 }
                 scores = torch.empty(hpr, p.rows, p.width, device=DEV)
-                _settle(comm)  # every allocation done before the first push
+                settle(comm)  # every allocation done before the first push
                 kernel_copy(scores, local.score_push(iq, p.index_cache, plan_l))
                 for k in range(1, MAX_TOPK + 1):
                     for name, inst, plan in (("local", local, plan_l), ("cp", cp, plan_c)):
@@ -125,7 +120,7 @@ def _run(fmt: str, t: int, world: int, heads: int, transport: str) -> list:
                         kernel_copy(kept[name][1][k - 1, ..., :k], vals)
                         ids.fill_(-7)  # the next call must write what it returns
                         vals.fill_(float("nan"))
-                _settle(comm)
+                settle(comm)
                 local.check()
                 cp.check()
                 out.append(

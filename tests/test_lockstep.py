@@ -28,19 +28,31 @@ from typing import Any
 
 import pytest
 import torch
+from _failures import outcome
+from _gpu import assert_scores, expected, for_rank, kernel_copy, settle
 from _worlds import Worlds
 
 import cpindex
-from cpindex import lockstep, partition, reference, testing
+from cpindex import (
+    BadBlockTableError,
+    BrokenInstanceError,
+    ConfigMismatchError,
+    CPIndexConfig,
+    IndexCP,
+    OutOfStepError,
+    PeerTimeoutError,
+    lockstep,
+    partition,
+    reference,
+    testing,
+)
 from cpindex.comm import Comm, TorchComm
-from cpindex.config import CPIndexConfig
-from cpindex.errors import OutOfStepError
 from cpindex.plan import Plan
 from cpindex.spawn import spawn_processes
 from cpindex.validation import Call
 from cpindex.world import run_threads
 
-TIMEOUT = 1.0  # config.timeout_s of the scenarios that wait for a late rank
+TIMEOUT = 0.75  # config.timeout_s of the scenarios that wait for a late rank
 SLACK = 1.5  # what a bounded wait may take past its timeout_s (store round trips, scheduling)
 GUARD_S = 240  # no test of this file may run longer (the first gloo test starts the world)
 
@@ -96,28 +108,6 @@ def _want(rank: int, world: int, prob: testing.Problem | None = None) -> torch.T
     return full[partition.heads_of_rank(rank, full.shape[0], world)]
 
 
-def _err(e: BaseException) -> dict[str, Any]:
-    """What a scenario records of an error (plain data: it crosses processes)."""
-    cause = e.__cause__
-    return {
-        "type": type(e).__name__,
-        "msg": str(e),
-        "cause": type(cause).__name__ if cause is not None else None,
-        "peer": getattr(e, "peer", None),
-    }
-
-
-def _attempt(fn: Callable[[], Any]) -> dict[str, Any]:
-    t0 = time.monotonic()
-    try:
-        fn()
-        out: dict[str, Any] = {"type": None}
-    except Exception as e:
-        out = _err(e)
-    out["s"] = time.monotonic() - t0
-    return out
-
-
 def _correct(cp: cpindex.IndexCP) -> bool:
     out = _push(cp).clone()
     return bool(torch.equal(out, _want(cp.rank, cp.world_size)))
@@ -129,7 +119,7 @@ def _correct(cp: cpindex.IndexCP) -> bool:
 
 def sc_config_mismatch(comm: Comm, rank: int) -> dict:
     def build(**kw: Any) -> dict[str, Any]:
-        return _attempt(lambda: cpindex.IndexCP(_cfg(**kw), device="cpu", comm=comm).close())
+        return outcome(lambda: cpindex.IndexCP(_cfg(**kw), device="cpu", comm=comm).close())
 
     res = build(max_rows=8 if rank == 0 else 16)
     # transport and prefer_mori decide what 'auto' tries: both are shared fields
@@ -148,8 +138,8 @@ def sc_refused(comm: Comm, rank: int) -> dict:
     with cpindex.IndexCP(_cfg(), device="cpu", comm=comm) as cp:
         # rank 1's width is past max_width: refused before anything is exchanged, and rank 0
         # learns it at once (no timeout)
-        first = _attempt(lambda: _push(cp, width=25 if rank == 1 else 10))
-        then = _attempt(lambda: _push(cp))
+        first = outcome(lambda: _push(cp, width=25 if rank == 1 else 10))
+        then = outcome(lambda: _push(cp))
         cp.reset()
         return {"first": first, "then": then, "correct": _correct(cp)}
 
@@ -183,8 +173,8 @@ def sc_mismatch(comm: Comm, rank: int) -> dict:
         for field, change in MISMATCHES.items():
             base = _prob(4) if field in ROWS4 else None
             over = change() if rank == 1 else {}
-            res = _attempt(lambda p=base, o=over: _push(cp, p, **o))
-            after = _attempt(lambda: _push(cp))
+            res = outcome(lambda p=base, o=over: _push(cp, p, **o))
+            after = outcome(lambda: _push(cp))
             cp.reset()
             out[field] = {"call": res, "after": after, "correct": _correct(cp)}
     return out
@@ -194,8 +184,8 @@ def sc_instances_order(comm: Comm, rank: int) -> dict:
     a = cpindex.IndexCP(_cfg(), device="cpu", comm=comm)
     b = cpindex.IndexCP(_cfg(), device="cpu", comm=comm)
     order = (a, b) if rank == 0 else (b, a)
-    first = _attempt(lambda: _push(order[0]))
-    second = _attempt(lambda: _push(order[1]))
+    first = outcome(lambda: _push(order[0]))
+    second = outcome(lambda: _push(order[1]))
     a.reset()
     b.reset()
     res = {"first": first, "second": second, "a": _correct(a), "b": _correct(b)}
@@ -208,13 +198,13 @@ def sc_late_peer(comm: Comm, rank: int) -> dict:
     with cpindex.IndexCP(_cfg(timeout_s=TIMEOUT), device="cpu", comm=comm) as cp:
         if rank == 1:
             time.sleep(1.5 * TIMEOUT)  # rank 0 gives up on the call meanwhile
-            late = _attempt(lambda: _push(cp))  # joins the abandoned call: raises at once
+            late = outcome(lambda: _push(cp))  # joins the abandoned call: raises at once
             res = {"late": late}
         else:
-            timed_out = _attempt(lambda: _push(cp))
-            refused = _attempt(lambda: _push(cp))  # broken until reset, nothing exchanged
+            timed_out = outcome(lambda: _push(cp))
+            refused = outcome(lambda: _push(cp))  # broken until reset, nothing exchanged
             res = {"timed_out": timed_out, "refused": refused}
-        res["reset"] = _attempt(cp.reset)  # rank 0 waits here for rank 1 (within TIMEOUT)
+        res["reset"] = outcome(cp.reset)  # rank 0 waits here for rank 1 (within TIMEOUT)
         res["correct"] = _correct(cp)
     return res
 
@@ -226,9 +216,9 @@ def sc_reset_missed(comm: Comm, rank: int) -> dict:
         _push(cp)
         if rank == 1:
             time.sleep(1.5 * TIMEOUT)  # misses rank 0's reset
-            res = {"first": _attempt(cp.reset)}
+            res = {"first": outcome(cp.reset)}
         else:
-            res = {"first": _attempt(cp.reset), "second": _attempt(cp.reset)}
+            res = {"first": outcome(cp.reset), "second": outcome(cp.reset)}
         res["correct"] = _correct(cp)
         return res
 
@@ -239,8 +229,8 @@ def sc_close_meet(comm: Comm, rank: int) -> dict:
     both."""
     if rank == 1:
         time.sleep(1.5 * TIMEOUT)  # misses round a
-    missed = _attempt(lambda: lockstep.meet(comm, "close-test/a", TIMEOUT, what="close"))
-    both = _attempt(lambda: lockstep.meet(comm, "close-test/b", TIMEOUT, what="close"))
+    missed = outcome(lambda: lockstep.meet(comm, "close-test/a", TIMEOUT, what="close"))
+    both = outcome(lambda: lockstep.meet(comm, "close-test/b", TIMEOUT, what="close"))
     return {"missed": missed, "both": both}
 
 
@@ -261,10 +251,10 @@ def sc_stall_in_call(comm: Comm, rank: int) -> dict:
         from cpindex.transports import collective
 
         collective.reference.block_scores = slow  # type: ignore[attr-defined]
-    stalled = _attempt(lambda: _push(a))
+    stalled = outcome(lambda: _push(a))
     if rank == 0:
         time.sleep(2 * TIMEOUT)  # reset once rank 1 is back (its call ends after its stall)
-    reset = _attempt(a.reset)
+    reset = outcome(a.reset)
     return {"stalled": stalled, "reset": reset}
 
 
@@ -490,7 +480,7 @@ def _dead_peer_rank(rank: int, world: int, path: str, who_dies: int) -> None:
             os._exit(0)
         comm.all_to_all_into = lambda *a, **k: os._exit(0)  # type: ignore[method-assign]
     time.sleep(0.2 if who_dies == 0 else 0.0)
-    lost = _attempt(lambda: _push(cp))
+    lost = outcome(lambda: _push(cp))
     torch.save(lost, Path(path) / f"rank{rank}.pt")
     os._exit(0)  # skip destroy_process_group: its peer is gone
 
@@ -565,3 +555,297 @@ def test_header_round_over_cached_texts_names_the_difference():
         "call 3 (score_push) is out of step with rank 1: tag 5 here, tag 6 on rank 1" in messages[0]
     )
     assert "tag 6 here, tag 5 on rank 0" in messages[1]
+
+
+# --------------------------------------------------------------------------- on a GPU
+# The scenarios above for ``ipc`` in the one-process GPU world, through the public API only.
+#
+# ``ipc`` compares call identities in the kernel (the host sends nothing per call), so a refused
+# or skipped call shows up on its peers as a kernel timeout, and calls that differ as
+# ``OutOfStepError``; both are recorded in the error word and raised by ``check()`` (or the next
+# call). The rules of the one-process world apply (docs/design.md): every rank synchronizes its
+# stream and meets the others at a host barrier before it allocates, copies or checks.
+
+DEV = "cuda:0"
+W = 2
+IPC_TIMEOUT = 0.5
+
+
+def _ipc_cfg(**kw: Any) -> CPIndexConfig:
+    base = dict(
+        transport="ipc", cache_format="fp8", max_rows=8, max_width=32, timeout_s=IPC_TIMEOUT
+    )
+    return CPIndexConfig(**{**base, **kw})
+
+
+def _gpu_prob(requests: int = 3, query_len: int = 1, seed: int = 0) -> testing.Problem:
+    return testing.make_problem(
+        requests, 12 * 128, "fp8", query_len=query_len, seed=40 + seed, device=DEV
+    )
+
+
+GPU_PROB = None
+
+
+def _gpu_p() -> testing.Problem:
+    global GPU_PROB
+    if GPU_PROB is None:
+        GPU_PROB = _gpu_prob()
+    return GPU_PROB
+
+
+def _call_and_check(cp: IndexCP, comm: Comm, prob: testing.Problem, **over: Any) -> dict[str, Any]:
+    """One call, then (after every rank settled) what it raised, at once or from check()."""
+    res = outcome(lambda: _push(cp, prob, **over))
+    settle(comm)
+    if res["type"] is None:
+        res = outcome(cp.check)
+    return res
+
+
+def _good(cp: IndexCP, comm: Comm) -> torch.Tensor:
+    """A correct call after recovery; returns a copy of its output (compared by the test)."""
+    p = _gpu_p()
+    out = torch.empty(cp.heads_per_rank, p.rows, p.width, device=DEV)
+    settle(comm)
+    kernel_copy(out, _push(cp, p))
+    settle(comm)
+    return out
+
+
+def _gpu_want(rank: int) -> torch.Tensor:
+    return for_rank(expected(_gpu_p(), 0, 1), rank, W)
+
+
+def _world(fn):
+    _gpu_p()  # built before the ranks start: nothing allocates while a push may spin
+    return run_threads(W, fn, device=DEV, timeout_s=60)
+
+
+# --------------------------------------------------------------------------- construction
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("field", "values"),
+    [("max_rows", (8, 16)), ("transport", ("ipc", "auto")), ("sm_scale", (0.1, 0.2))],
+)
+def test_construction_mismatch_raises_on_every_rank(field, values):
+    def job(comm):
+        return outcome(
+            lambda: IndexCP(_ipc_cfg(**{field: values[comm.rank]}), device=DEV, comm=comm)
+        )
+
+    for r in _world(job):
+        assert r["type"] == ConfigMismatchError.__name__, r
+        assert f"{field}: rank 0: {values[0]!r}, rank 1: {values[1]!r}" in r["msg"]
+        assert r["s"] < IPC_TIMEOUT + 1.5
+
+
+# --------------------------------------------------------------------------- calls
+
+
+@pytest.mark.gpu
+def test_refused_input_times_out_the_peer_and_reset_recovers():
+    def job(comm):
+        with IndexCP(_ipc_cfg(), device=DEV, comm=comm) as cp:
+            width = 33 if comm.rank == 1 else _gpu_p().width  # past max_width on rank 1
+            first = _call_and_check(cp, comm, _gpu_p(), width=width)
+            then = outcome(lambda: _push(cp, _gpu_p()))
+            settle(comm)
+            cp.reset()
+            return first, then, _good(cp, comm)
+
+    (f0, t0, out0), (f1, t1, out1) = _world(job)
+    assert f1["type"] == "ValueError" and "width" in f1["msg"]
+    assert f0["type"] == PeerTimeoutError.__name__ and f0["peer"] == 1, f0
+    for t in (t0, t1):
+        assert t["type"] == BrokenInstanceError.__name__, t
+    assert t0["cause"] == PeerTimeoutError.__name__ and t1["cause"] == "ValueError"
+    assert_scores(out0, _gpu_want(0))
+    assert_scores(out1, _gpu_want(1))
+
+
+IPC_MISMATCHES = {
+    "width": lambda: {"width": _gpu_p().width + 1},
+    "init_blocks": lambda: {"init_blocks": 1},
+    "local_blocks": lambda: {"local_blocks": 2},
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("field", list(IPC_MISMATCHES))
+def test_ranks_with_different_calls_all_raise_ipc(field):
+    change = IPC_MISMATCHES[field]()
+
+    def job(comm):
+        with IndexCP(_ipc_cfg(timeout_s=2.0), device=DEV, comm=comm) as cp:
+            over = change if comm.rank == 1 else {}
+            res = _call_and_check(cp, comm, _gpu_p(), **over)
+            cp.reset()
+            return res, _good(cp, comm)
+
+    for rank, (res, out) in enumerate(_world(job)):
+        assert res["type"] == OutOfStepError.__name__, (rank, res)
+        assert res["peer"] == 1 - rank
+        assert_scores(out, _gpu_want(rank))
+
+
+@pytest.mark.gpu
+def test_ranks_with_different_rows_all_raise():
+    other = _gpu_prob(requests=2, seed=1)
+
+    def job(comm):
+        with IndexCP(_ipc_cfg(timeout_s=2.0), device=DEV, comm=comm) as cp:
+            prob = other if comm.rank == 1 else _gpu_p()
+            res = _call_and_check(cp, comm, prob)
+            cp.reset()
+            return res, _good(cp, comm)
+
+    for rank, (res, out) in enumerate(_world(job)):
+        assert res["type"] in (OutOfStepError.__name__, PeerTimeoutError.__name__), (rank, res)
+        assert_scores(out, _gpu_want(rank))
+
+
+@pytest.mark.gpu
+def test_two_instances_called_in_different_orders_ipc():
+    def job(comm):
+        a = IndexCP(_ipc_cfg(), device=DEV, comm=comm)
+        b = IndexCP(_ipc_cfg(), device=DEV, comm=comm)
+        first, second = (a, b) if comm.rank == 0 else (b, a)
+        r1 = _call_and_check(first, comm, _gpu_p())
+        r2 = _call_and_check(second, comm, _gpu_p())
+        a.reset()
+        b.reset()
+        outs = _good(a, comm), _good(b, comm)
+        a.close()
+        b.close()
+        return r1, r2, outs
+
+    for rank, (r1, _r2, outs) in enumerate(_world(job)):
+        # never wrong data: the first pairing fails on both ranks (identities or flags differ)
+        assert r1["type"] in (OutOfStepError.__name__, PeerTimeoutError.__name__), (rank, r1)
+        for out in outs:
+            assert_scores(out, _gpu_want(rank))
+
+
+@pytest.mark.gpu
+def test_late_peer_times_out_refuses_calls_and_recovers():
+    def job(comm):
+        with IndexCP(_ipc_cfg(), device=DEV, comm=comm) as cp:
+            iq = _gpu_p().rank_queries(cp.rank, cp.world_size)  # before any push may spin
+            if comm.rank == 1:
+                time.sleep(3 * IPC_TIMEOUT)  # rank 0's kernel gives up meanwhile
+            first = outcome(lambda: _push(cp, _gpu_p(), iq=iq))
+            torch.cuda.current_stream().synchronize()
+            checked = outcome(cp.check)
+            then = outcome(lambda: _push(cp, _gpu_p(), iq=iq))
+            settle(comm)
+            cp.reset()
+            return first, checked, then, _good(cp, comm)
+
+    (_f0, c0, t0, out0), (_f1, c1, _t1, out1) = _world(job)
+    assert c0["type"] == PeerTimeoutError.__name__ and c0["peer"] == 1, c0
+    assert t0["type"] == BrokenInstanceError.__name__ and t0["cause"] == PeerTimeoutError.__name__
+    # rank 1 came late: its kernel found rank 0 gone (no wrong data) and says so
+    assert c1["type"] == PeerTimeoutError.__name__ and c1["peer"] == 0, c1
+    assert_scores(out0, _gpu_want(0))
+    assert_scores(out1, _gpu_want(1))
+
+
+@pytest.mark.gpu
+def test_reset_is_bounded_and_names_who_did_not_come_ipc():
+    def job(comm):
+        with IndexCP(_ipc_cfg(), device=DEV, comm=comm) as cp:
+            if comm.rank == 1:
+                time.sleep(1.5 * IPC_TIMEOUT)  # misses rank 0's first reset, joins its second
+            first = outcome(cp.reset)
+            # rank 0 resets again; rank 1's one late reset walks past the round rank 0 gave up
+            # on and meets rank 0's second
+            second = outcome(cp.reset) if comm.rank == 0 else {"type": None}
+            return first, second, _good(cp, comm)
+
+    (f0, s0, out0), (f1, s1, out1) = _world(job)
+    assert f0["type"] == PeerTimeoutError.__name__ and f0["peer"] == 1, f0
+    assert f0["s"] < IPC_TIMEOUT + 1.5
+    assert f1["type"] is None, f1
+    assert s0["type"] is None and s1["type"] is None, (s0, s1)
+    assert_scores(out0, _gpu_want(0))
+    assert_scores(out1, _gpu_want(1))
+
+
+@pytest.mark.gpu
+def test_close_is_bounded_and_names_who_did_not_come():
+    """ipc ranks meet before freeing memory their peers write into; a rank that does not come
+    is named within timeout_s and the memory is kept (not freed under a late peer)."""
+
+    def job(comm):
+        cp = IndexCP(_ipc_cfg(), device=DEV, comm=comm)
+        _good(cp, comm)
+        if comm.rank == 1:
+            time.sleep(1.5 * IPC_TIMEOUT)  # rank 0 gives up waiting for this rank's close
+        return outcome(cp.close)
+
+    c0, c1 = _world(job)
+    assert c0["type"] == PeerTimeoutError.__name__ and c0["peer"] == 1, c0
+    assert "close timed out" in c0["msg"], c0
+    assert c0["s"] < IPC_TIMEOUT + 1.5
+    assert c1["type"] == PeerTimeoutError.__name__  # came after rank 0 gave up: told at once
+
+
+@pytest.mark.gpu
+def test_sync_error_check_raises_in_the_failing_call():
+    def job(comm):
+        with IndexCP(_ipc_cfg(error_check="sync"), device=DEV, comm=comm) as cp:
+            over = {"init_blocks": 1} if comm.rank == 1 else {}
+            res = outcome(lambda: _push(cp, _gpu_p(), **over))
+            settle(comm)
+            cp.reset()
+            return res, _good(cp, comm)
+
+    for rank, (res, out) in enumerate(_world(job)):
+        assert res["type"] == OutOfStepError.__name__, (rank, res)
+        assert_scores(out, _gpu_want(rank))
+
+
+# --------------------------------------------------------------------------- bounds, NaN
+
+
+@pytest.mark.gpu
+def test_negative_length_is_reported_by_the_kernel_and_reset_recovers():
+    lens = _gpu_p().seq_lens.clone()
+    lens[1] = -5
+
+    def job(comm):
+        with IndexCP(_ipc_cfg(), device=DEV, comm=comm) as cp:
+            res = _call_and_check(cp, comm, _gpu_p(), seq_lens=lens)
+            cp.reset()
+            return res, _good(cp, comm)
+
+    for rank, (res, out) in enumerate(_world(job)):
+        assert res["type"] == BadBlockTableError.__name__ and "seq_lens -5" in res["msg"], res
+        assert_scores(out, _gpu_want(rank))
+
+
+@pytest.mark.gpu
+def test_nan_inputs_score_like_the_reference():
+    """A NaN dot never wins on the GPU either (fmaxf from -inf): equal to the reference."""
+    prob = testing.make_problem(2, 3 * 128, "fp8", seed=11, lengths=torch.tensor([384, 384]))
+    nan = torch.tensor(float("nan")).to(torch.float8_e4m3fn)
+    p0, p1 = int(prob.block_table[0, 0]), int(prob.block_table[0, 1])
+    prob.index_cache[p1, 5, 7] = nan
+    prob.index_cache[p0] = nan
+    prob.q[1, 2, 0] = nan
+    prob = prob.to(DEV)
+    want = expected(prob, 0, 1)
+
+    def job(comm):
+        with IndexCP(_ipc_cfg(), device=DEV, comm=comm) as cp:
+            out = torch.empty(cp.heads_per_rank, prob.rows, prob.width, device=DEV)
+            settle(comm)
+            kernel_copy(out, _push(cp, prob))
+            settle(comm)
+            return out
+
+    for rank, out in enumerate(_world(job)):
+        assert_scores(out, for_rank(want, rank, W))

@@ -8,7 +8,7 @@ the same call's full scores (``score_push`` then :func:`cpindex.selection.select
 float64 reference's wherever the reference has no near-tie at the top-k boundary (the kernel's
 scores differ from float64 in fp32 summation order only). One problem per case has exact ties
 (neighbouring blocks read the same page). Graph replay of the fused path is covered by
-tests/test_select_gpu.py.
+tests/test_select.py (its tests marked ``gpu``).
 """
 
 from __future__ import annotations
