@@ -111,8 +111,11 @@ def _run(fmt: str, t: int, world: int, heads: int, transport: str) -> list:
                 scores = torch.empty(hpr, p.rows, p.width, device=DEV)
                 settle(comm)  # every allocation done before the first push
                 kernel_copy(scores, local.score_push(iq, p.index_cache, plan_l))
-                for k in range(1, MAX_TOPK + 1):
-                    for name, inst, plan in (("local", local, plan_l), ("cp", cp, plan_c)):
+                # Every local call, then every pushed one, a host barrier between: a local
+                # kernel need not fit beside a peer's spinning push on a shared GPU
+                # (docs/design.md, the one-process world, rule 5).
+                for name, inst, plan in (("local", local, plan_l), ("cp", cp, plan_c)):
+                    for k in range(1, MAX_TOPK + 1):
                         ids, vals = inst.select_blocks(
                             iq, p.index_cache, plan, topk=k, return_scores=True, tag=k
                         )
@@ -120,7 +123,7 @@ def _run(fmt: str, t: int, world: int, heads: int, transport: str) -> list:
                         kernel_copy(kept[name][1][k - 1, ..., :k], vals)
                         ids.fill_(-7)  # the next call must write what it returns
                         vals.fill_(float("nan"))
-                settle(comm)
+                    settle(comm)
                 local.check()
                 cp.check()
                 out.append(
