@@ -37,6 +37,10 @@ ASM = f"""\t.text
 .LBB0_2: ; the page loop
 \tglobal_load_dwordx4 v[2:5], v1, s[4:5]
 \tglobal_load_dwordx4 v[6:9], v1, s[4:5] offset:1024
+\tflat_load_dwordx4 v[40:43], v[60:61] nt
+\tflat_load_dwordx2 v[44:45], v[60:61] ; a twin: the same bytes again
+\tv_lshl_add_u64 v[60:61], v[60:61], 0, 64
+\tflat_load_dwordx4 v[48:51], v[60:61] ; a new address in the same registers
 \ts_waitcnt vmcnt(0)
 \tds_read_b128 v[10:13], v1
 \tv_mfma_f32_16x16x128_f8f6f4 v[20:23], v[2:9], v[10:17], v[20:23]
@@ -131,11 +135,11 @@ def test_instance_resources_and_page_loop(asm_dir):
     gpu = amd_report.GPUS[0]
     assert k.waves(gpu) == 2  # 160 KiB of LDS hold 40 work-groups: registers limit it
     loop = k.loop
-    assert loop is not None and len(loop.ops) == 12  # .LBB0_2 up to its branch, not the item loop
-    assert (loop.count("mfma"), loop.count("valu"), loop.count("vmem")) == (2, 3, 2)
+    assert loop is not None and len(loop.ops) == 16  # .LBB0_2 up to its branch, not the item loop
+    assert (loop.count("mfma"), loop.count("valu"), loop.count("vmem")) == (2, 4, 5)
     assert (loop.count("lds"), loop.count("salu")) == (1, 2)
-    assert loop.key_bytes == 2 * 16 * 64
-    assert loop.valu_cycles() == 4 + 16 + 4  # v_exp is a transcendental
+    assert loop.key_bytes == 4 * 16 * 64  # the twin adds nothing
+    assert loop.valu_cycles() == 4 + 16 + 4 + 4  # v_exp is a transcendental
     assert loop.mfma_cycles(amd_report.mfma_cycles("gfx950")) == 2 * 32
 
 
@@ -148,13 +152,13 @@ def test_roofline_arithmetic(asm_dir):
     gpu = amd_report.GPUS[0]
     rows = {r.t: r for r in amd_report.roofline(kernels, gpu, per_tile=8)}
     assert set(rows) == {1, 4, 8}
-    # fp8 page: 16 KiB / 2 KiB of key loads an iteration = 8 iterations
-    assert all(r.iters == 8 for r in rows.values())
+    # fp8 page: 16 KiB / 4 KiB of key loads an iteration = 4 iterations
+    assert all(r.iters == 4 for r in rows.values())
     # T = 1 and 4 fit two tiles of 8 vectors; T = 8 (32 vectors) takes two passes
     assert [rows[t].passes for t in (1, 4, 8)] == [1, 1, 2]
     r = rows[8]
-    assert r.mfma == pytest.approx(8 * 2 * 64 / 4)
-    assert r.valu == pytest.approx(8 * 2 * 24 / 4)
+    assert r.mfma == pytest.approx(4 * 2 * 64 / 4)
+    assert r.valu == pytest.approx(4 * 2 * 28 / 4)
     assert r.hbm == pytest.approx(16384 / (8e12 / 256 / 2.4e9))
     assert r.ratio == pytest.approx(r.mfma / r.hbm)
     text = amd_report.report(asm_dir, asm_dir / "score.hip", pattern, 8)
