@@ -1,12 +1,21 @@
 """What the AMD compilers made of each scoring kernel instance, and a roofline estimate, without
 an AMD GPU.
 
-    KERNEL_ASM_DIR=/tmp/asm bash .ci/compile-kernels   # keeps score.gfx950.s, score.gfx942.s
-    python benchmarks/amd_report.py /tmp/asm           # the tables, markdown
-    python benchmarks/amd_report.py                    # compiles this tree first (all 4 gates)
+    python benchmarks/amd_report.py                    # compile this tree's score.hip, report
+    python benchmarks/amd_report.py --summary          # per (format, T): the estimate only
+    python benchmarks/amd_report.py --source ../other/cpindex/kernels/score.hip   # another tree
+    KERNEL_ASM_DIR=/tmp/asm bash .ci/compile-kernels   # or: the gates' kept assembly
+    python benchmarks/amd_report.py /tmp/asm
 
-Input: a folder with ``score.gfx950.s`` and/or ``score.gfx942.s`` as ``.ci/compile-kernels``
-keeps them. Per scoring-kernel instance (every template instance of a kernel whose name matches
+Compiling, the report builds score.hip for gfx950 (``zig clang``) and gfx942 (``clang++-19``)
+with the gates' flags plus inline stand-ins for the few ROCm device-library functions the HIP
+headers call (thread and block indices, fences): the gates compile with ``-nogpulib``, which
+leaves those as real calls, and a call costs registers (the calling convention's), SGPR spills
+and a stack that a linked ROCm build, which inlines them, does not pay. ``--as-gated`` compiles
+without them; a folder of the gates' kept ``.s`` files shows the calls too (the ``calls``
+column).
+
+Per scoring-kernel instance (every template instance of a kernel whose name matches
 ``--kernel``, read from the symbols with ``llvm-cxxfilt``/``c++filt`` and named by
 ``score.hip``'s own template parameters), from the AMDHSA metadata: VGPRs (``.vgpr_count``,
 the total a lane holds: architected VGPRs and AGPRs together), AGPRs, SGPRs, spills, scratch
@@ -25,9 +34,10 @@ the work-groups on the CU, each spreading its waves over the 4 SIMDs.
 The page loop: among the function's loops (a branch back to an earlier label), the smallest
 that holds at least half as many matrix instructions (``v_mfma``/``v_smfmac``; without any,
 FMA-class VALU: what the portable path multiplies with) as the loop holding the most: the loops
-around the page loop hold its math too, plus other paths'. Its key loads (global/buffer loads, their
-bytes from the opcode's width, times 64 lanes) say how many iterations one page takes: a page's
-bytes / the loop's bytes per iteration. Counts per page are the loop's counts times that.
+around the page loop hold its math too, plus other paths'. Its key loads (global/buffer/flat
+loads, their bytes from the opcode's width, times 64 lanes, an address read twice counted once)
+say how many iterations one page takes: a page's bytes / the loop's bytes per iteration. Counts
+per page are the loop's counts times that.
 
 The roofline, per (format, T) with H = 4 heads, for the whole-page instance the launcher takes
 (split-page instances serve small calls, where a page's latency matters, not its bytes):
@@ -42,7 +52,7 @@ The roofline, per (format, T) with H = 4 heads, for the whole-page instance the 
   transcendental ones take 16. MFMA and VALU of different waves overlap, so compute = the larger.
   A request with more query vectors (T x H) than one pass holds scores the page again per pass
   (the later passes find it in L2): compute x passes, HBM once.
-Goal (issue 67): compute at most half the HBM time at T = 1, 4 and 8.
+Goal: compute at most half the HBM time at T = 1, 4 and 8.
 
 These are estimates from the assembly, not measurements: no AMD GPU has run this code.
 """
@@ -52,7 +62,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
 import shutil
 import subprocess
@@ -525,23 +534,112 @@ def vectors_per_tile(source: Path | None) -> int:
     return 8
 
 
-def compile_tree(out: Path) -> None:
-    env = dict(os.environ, KERNEL_ASM_DIR=str(out))
-    proc = subprocess.run(
-        ["bash", str(ROOT / ".ci" / "compile-kernels")], env=env, text=True, capture_output=True
+# Without ROCm's device libraries (the gates compile with -nogpulib), the HIP headers' thread and
+# block indices and fences stay calls into the library, and a call makes the compiler keep the
+# calling convention's registers free: more VGPRs, AGPRs, SGPR spills and a stack. A linked ROCm
+# build inlines these. Compiled with these stand-ins (the same hardware reads the library makes),
+# the assembly shows what such a build holds.
+DEVICE_LIB_STANDINS = r"""
+#include <hip/hip_runtime.h>
+#define CP_INLINE extern "C" __device__ __attribute__((always_inline))
+CP_INLINE size_t __ockl_get_local_id(uint d) {
+  return d == 0 ? __builtin_amdgcn_workitem_id_x()
+       : d == 1 ? __builtin_amdgcn_workitem_id_y() : __builtin_amdgcn_workitem_id_z();
+}
+CP_INLINE size_t __ockl_get_group_id(uint d) {
+  return d == 0 ? __builtin_amdgcn_workgroup_id_x()
+       : d == 1 ? __builtin_amdgcn_workgroup_id_y() : __builtin_amdgcn_workgroup_id_z();
+}
+// code object v5 implicit arguments: hidden_block_count_{x,y,z}, then hidden_group_size_{x,y,z}
+CP_INLINE size_t __ockl_get_num_groups(uint d) {
+  return ((const uint*)__builtin_amdgcn_implicitarg_ptr())[d < 3 ? d : 0];
+}
+CP_INLINE size_t __ockl_get_local_size(uint d) {
+  return ((const unsigned short*)__builtin_amdgcn_implicitarg_ptr())[6 + (d < 3 ? d : 0)];
+}
+#define CP_FENCE(order)                                                              \
+  (s == __memory_scope_work_group ? __builtin_amdgcn_fence(order, "workgroup")      \
+   : s == __memory_scope_device   ? __builtin_amdgcn_fence(order, "agent")          \
+                                  : __builtin_amdgcn_fence(order, ""))
+CP_INLINE void __atomic_work_item_fence(__cl_mem_fence_flags, __memory_order o, __memory_scope s) {
+  if (o == __memory_order_acquire) CP_FENCE(__ATOMIC_ACQUIRE);
+  else if (o == __memory_order_release) CP_FENCE(__ATOMIC_RELEASE);
+  else if (o == __memory_order_acq_rel) CP_FENCE(__ATOMIC_ACQ_REL);
+  else CP_FENCE(__ATOMIC_SEQ_CST);
+}
+"""
+
+
+def compile_source(source: Path, out: Path, standins: bool) -> None:
+    """score.hip for gfx950 (``zig clang``) and gfx942 (``clang++-19``) with
+    ``.ci/compile-kernels``' flags, optionally with the device-library stand-ins."""
+    include = shutil.which("clang-19")
+    if include is None:
+        sys.exit("needs clang-19 (and zig 0.17 for gfx950), as .ci/compile-kernels installs them")
+    resource = subprocess.run(
+        [include, "-print-resource-dir"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    hip = next((d for d in ("/usr/include", "/opt/rocm/include") if Path(d, "hip").is_dir()), "")
+    common = ["-x", "hip", "--cuda-device-only", "-nogpulib", "-O3", "-Wall", "-Werror", "-S"]
+    common += [f"-I{hip}"] if hip else []
+    if standins:
+        header = out / "device_lib_standins.h"
+        header.write_text(DEVICE_LIB_STANDINS)
+        common += ["-include", str(header)]
+    jobs = [(["clang++-19", "--offload-arch=gfx942"], "gfx942")]
+    if shutil.which("zig"):
+        gfx950 = ["zig", "clang", "--offload-arch=gfx950", "-resource-dir", resource]
+        jobs.append(([*gfx950, "-D__AMDGCN_WAVEFRONT_SIZE=64"], "gfx950"))
+    else:
+        print("zig not found: gfx950 skipped", file=sys.stderr)
+    procs = [
+        subprocess.Popen(
+            [*cmd, *common, "-o", str(out / f"score.{arch}.s"), str(source)],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for cmd, arch in jobs
+    ]
+    for p, (_, arch) in zip(procs, jobs, strict=True):
+        _, err = p.communicate()
+        if p.returncode != 0:
+            sys.exit(f"{arch} compile failed:\n{err[-3000:]}")
+
+
+def summary_table(found: list[tuple[Gpu, list[Kernel], list[Row]]]) -> str:
+    """One row per (format, T): per GPU the instance's registers, waves and compute / HBM."""
+    head = "| format | T |" + "".join(
+        f" {g.arch} VGPRs, waves | {g.arch} scratch B | {g.name} compute / HBM |"
+        for g, _, _ in found
     )
-    if proc.returncode != 0:
-        sys.exit(f".ci/compile-kernels failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    lines = [head, "|" + " --- |" * (2 + 3 * len(found))]
+    keys = [(r.fmt, r.t) for r in found[0][2]] if found else []
+    for fmt, t in keys:
+        cells = []
+        for _, _, rows in found:
+            r = next((r for r in rows if (r.fmt, r.t) == (fmt, t)), None)
+            if r is None:
+                cells += ["-", "-", "-"]
+                continue
+            scratch = r.kernel.meta.get(".private_segment_fixed_size", 0)
+            cells += [f"{r.kernel.vgprs}, {r.kernel.waves(r.gpu)}", str(scratch), f"{r.ratio:.2f}"]
+        lines.append(f"| {fmt} | {t} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
-def report(asm_dir: Path, source: Path | None, kernel: re.Pattern, per_tile: int | None) -> str:
+def report(
+    asm_dir: Path, source: Path | None, kernel: re.Pattern, per_tile: int | None, summary=False
+) -> str:
     per_tile = per_tile or vectors_per_tile(source)
     parts = []
+    found = []
     for gpu in GPUS:
         path = asm_dir / f"score.{gpu.arch}.s"
         if not path.is_file():
             continue
         kernels = read_asm(path, gpu.arch, kernel, source)
+        rows = roofline(kernels, gpu, per_tile)
+        found.append((gpu, kernels, rows))
         parts.append(f"### {gpu.arch} ({gpu.name}): {len(kernels)} scoring kernel instances\n")
         parts.append(resources_table(kernels, gpu) + "\n")
         parts.append(
@@ -549,9 +647,11 @@ def report(asm_dir: Path, source: Path | None, kernel: re.Pattern, per_tile: int
             f"a CU cycle; H = {HEADS}, {per_tile} query vectors a tile; estimates, not "
             "measurements.\n"
         )
-        parts.append(roofline_table(roofline(kernels, gpu, per_tile)) + "\n")
-    if not parts:
+        parts.append(roofline_table(rows) + "\n")
+    if not found:
         sys.exit(f"no score.gfx950.s or score.gfx942.s in {asm_dir}")
+    if summary:
+        return summary_table(found)
     return "\n".join(parts)
 
 
@@ -572,15 +672,23 @@ def main() -> None:
         default=None,
         help="query vectors per query tile (default: config.h kVecsPerTile)",
     )
+    ap.add_argument(
+        "--as-gated",
+        action="store_true",
+        help="compiling: without the device-library stand-ins, as .ci/compile-kernels does",
+    )
+    ap.add_argument(
+        "--summary", action="store_true", help="one table: per (format, T) each target's estimate"
+    )
     args = ap.parse_args()
     source = Path(args.source) if args.source else None
     pattern = re.compile(args.kernel)
     if args.asm_dir:
-        print(report(Path(args.asm_dir), source, pattern, args.vectors_per_tile))
+        print(report(Path(args.asm_dir), source, pattern, args.vectors_per_tile, args.summary))
         return
     with tempfile.TemporaryDirectory() as tmp:
-        compile_tree(Path(tmp))
-        print(report(Path(tmp), source, pattern, args.vectors_per_tile))
+        compile_source(source, Path(tmp), standins=not args.as_gated)
+        print(report(Path(tmp), source, pattern, args.vectors_per_tile, args.summary))
 
 
 if __name__ == "__main__":

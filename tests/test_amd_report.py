@@ -163,3 +163,5 @@ def test_roofline_arithmetic(asm_dir):
     assert r.ratio == pytest.approx(r.mfma / r.hbm)
     text = amd_report.report(asm_dir, asm_dir / "score.hip", pattern, 8)
     assert "| fp8 | 8 |" in text and "gfx950 (MI355X): 1 scoring kernel" in text
+    short = amd_report.report(asm_dir, asm_dir / "score.hip", pattern, 8, summary=True)
+    assert f"| fp8 | 8 | 200, 2 | 0 | {r.ratio:.2f} |" in short
