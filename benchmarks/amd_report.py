@@ -7,13 +7,10 @@ an AMD GPU.
     KERNEL_ASM_DIR=/tmp/asm bash .ci/compile-kernels   # or: the gates' kept assembly
     python benchmarks/amd_report.py /tmp/asm
 
-Compiling, the report builds score.hip for gfx950 (``zig clang``) and gfx942 (``clang++-19``)
-with the gates' flags plus inline stand-ins for the few ROCm device-library functions the HIP
-headers call (thread and block indices, fences): the gates compile with ``-nogpulib``, which
-leaves those as real calls, and a call costs registers (the calling convention's), SGPR spills
-and a stack that a linked ROCm build, which inlines them, does not pay. ``--as-gated`` compiles
-without them; a folder of the gates' kept ``.s`` files shows the calls too (the ``calls``
-column).
+Without a folder, the report compiles ``--source`` (default: this tree's ``score.hip``) through
+``.ci/compile-kernels`` (all its gates; the sm_90 ones are skipped without nvcc) and reads the
+kept assembly. The ``calls`` column counts calls the compiler left (``s_swappc_b64``): a call
+costs registers, spills and a stack, so a kernel with calls reports more than it needs.
 
 Per scoring-kernel instance (every template instance of a kernel whose name matches
 ``--kernel``, read from the symbols with ``llvm-cxxfilt``/``c++filt`` and named by
@@ -62,6 +59,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -534,76 +532,18 @@ def vectors_per_tile(source: Path | None) -> int:
     return 8
 
 
-# Without ROCm's device libraries (the gates compile with -nogpulib), the HIP headers' thread and
-# block indices and fences stay calls into the library, and a call makes the compiler keep the
-# calling convention's registers free: more VGPRs, AGPRs, SGPR spills and a stack. A linked ROCm
-# build inlines these. Compiled with these stand-ins (the same hardware reads the library makes),
-# the assembly shows what such a build holds.
-DEVICE_LIB_STANDINS = r"""
-#include <hip/hip_runtime.h>
-#define CP_INLINE extern "C" __device__ __attribute__((always_inline))
-CP_INLINE size_t __ockl_get_local_id(uint d) {
-  return d == 0 ? __builtin_amdgcn_workitem_id_x()
-       : d == 1 ? __builtin_amdgcn_workitem_id_y() : __builtin_amdgcn_workitem_id_z();
-}
-CP_INLINE size_t __ockl_get_group_id(uint d) {
-  return d == 0 ? __builtin_amdgcn_workgroup_id_x()
-       : d == 1 ? __builtin_amdgcn_workgroup_id_y() : __builtin_amdgcn_workgroup_id_z();
-}
-// code object v5 implicit arguments: hidden_block_count_{x,y,z}, then hidden_group_size_{x,y,z}
-CP_INLINE size_t __ockl_get_num_groups(uint d) {
-  return ((const uint*)__builtin_amdgcn_implicitarg_ptr())[d < 3 ? d : 0];
-}
-CP_INLINE size_t __ockl_get_local_size(uint d) {
-  return ((const unsigned short*)__builtin_amdgcn_implicitarg_ptr())[6 + (d < 3 ? d : 0)];
-}
-#define CP_FENCE(order)                                                              \
-  (s == __memory_scope_work_group ? __builtin_amdgcn_fence(order, "workgroup")      \
-   : s == __memory_scope_device   ? __builtin_amdgcn_fence(order, "agent")          \
-                                  : __builtin_amdgcn_fence(order, ""))
-CP_INLINE void __atomic_work_item_fence(__cl_mem_fence_flags, __memory_order o, __memory_scope s) {
-  if (o == __memory_order_acquire) CP_FENCE(__ATOMIC_ACQUIRE);
-  else if (o == __memory_order_release) CP_FENCE(__ATOMIC_RELEASE);
-  else if (o == __memory_order_acq_rel) CP_FENCE(__ATOMIC_ACQ_REL);
-  else CP_FENCE(__ATOMIC_SEQ_CST);
-}
-"""
-
-
-def compile_source(source: Path, out: Path, standins: bool) -> None:
-    """score.hip for gfx950 (``zig clang``) and gfx942 (``clang++-19``) with
-    ``.ci/compile-kernels``' flags, optionally with the device-library stand-ins."""
-    include = shutil.which("clang-19")
-    if include is None:
-        sys.exit("needs clang-19 (and zig 0.17 for gfx950), as .ci/compile-kernels installs them")
-    resource = subprocess.run(
-        [include, "-print-resource-dir"], capture_output=True, text=True, check=True
-    ).stdout.strip()
-    hip = next((d for d in ("/usr/include", "/opt/rocm/include") if Path(d, "hip").is_dir()), "")
-    common = ["-x", "hip", "--cuda-device-only", "-nogpulib", "-O3", "-Wall", "-Werror", "-S"]
-    common += [f"-I{hip}"] if hip else []
-    if standins:
-        header = out / "device_lib_standins.h"
-        header.write_text(DEVICE_LIB_STANDINS)
-        common += ["-include", str(header)]
-    jobs = [(["clang++-19", "--offload-arch=gfx942"], "gfx942")]
-    if shutil.which("zig"):
-        gfx950 = ["zig", "clang", "--offload-arch=gfx950", "-resource-dir", resource]
-        jobs.append(([*gfx950, "-D__AMDGCN_WAVEFRONT_SIZE=64"], "gfx950"))
-    else:
-        print("zig not found: gfx950 skipped", file=sys.stderr)
-    procs = [
-        subprocess.Popen(
-            [*cmd, *common, "-o", str(out / f"score.{arch}.s"), str(source)],
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for cmd, arch in jobs
-    ]
-    for p, (_, arch) in zip(procs, jobs, strict=True):
-        _, err = p.communicate()
-        if p.returncode != 0:
-            sys.exit(f"{arch} compile failed:\n{err[-3000:]}")
+def compile_tree(source: Path, out: Path) -> None:
+    """``source`` through this tree's ``.ci/compile-kernels``, its assembly kept in ``out``."""
+    env = dict(os.environ, KERNEL_ASM_DIR=str(out))
+    gate = [str(ROOT / ".ci" / "compile-kernels"), str(source)]
+    proc = subprocess.run(["bash", *gate], env=env, text=True, capture_output=True)
+    if proc.returncode != 0:
+        sys.exit(f".ci/compile-kernels failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    if source.stem != "score":
+        for arch in ("gfx950", "gfx942"):
+            kept = out / f"{source.stem}.{arch}.s"
+            if kept.is_file():
+                kept.rename(out / f"score.{arch}.s")
 
 
 def summary_table(found: list[tuple[Gpu, list[Kernel], list[Row]]]) -> str:
@@ -673,11 +613,6 @@ def main() -> None:
         help="query vectors per query tile (default: config.h kVecsPerTile)",
     )
     ap.add_argument(
-        "--as-gated",
-        action="store_true",
-        help="compiling: without the device-library stand-ins, as .ci/compile-kernels does",
-    )
-    ap.add_argument(
         "--summary", action="store_true", help="one table: per (format, T) each target's estimate"
     )
     args = ap.parse_args()
@@ -687,7 +622,7 @@ def main() -> None:
         print(report(Path(args.asm_dir), source, pattern, args.vectors_per_tile, args.summary))
         return
     with tempfile.TemporaryDirectory() as tmp:
-        compile_source(source, Path(tmp), standins=not args.as_gated)
+        compile_tree(source, Path(tmp))
         print(report(Path(tmp), source, pattern, args.vectors_per_tile, args.summary))
 
 
