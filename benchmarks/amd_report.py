@@ -93,6 +93,11 @@ class Gpu:
         return self.hbm_bytes_s / self.cus / self.clock_hz
 
 
+# Public figures: MI355X 8 TB/s HBM3E, 8 XCDs x 32 CUs, 2.4 GHz peak engine clock (AMD's
+# MI350 series announcement and Hot Chips 2025 talk; ISSCC 2026: 8,192 fp8 flops a clock a CU);
+# MI300X 5.3 TB/s HBM3, 304 CUs, 2.1 GHz peak engine clock (AMD's MI300X data sheet; 163.4
+# TFLOPS packed fp32 = 304 x 256 flops a clock x 2.1 GHz). LDS: 64 KiB a CU on CDNA3, 160 KiB
+# on CDNA4 (AMD's CDNA3 and CDNA4 white papers).
 GPUS = (
     Gpu("MI355X", "gfx950", 8.0e12, 256, 2.4e9, 160 * 1024),
     Gpu("MI300X", "gfx942", 5.3e12, 304, 2.1e9, 64 * 1024),
