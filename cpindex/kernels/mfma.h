@@ -203,18 +203,29 @@ CP_HOST_DEVICE void tile_maxima(W& w, const uint8_t* page, int64_t token_stride,
   constexpr int kN = W::kN;
   constexpr int kBatch = Fr::kBatch < kMTiles ? Fr::kBatch : kMTiles;
   static_assert(kMTiles % kBatch == 0, "whole batches");
+  // Each lane's first token's bytes: a tile's are a wave-uniform step on (scalar arithmetic),
+  // not a 64-bit multiply per lane and load.
+  const uint8_t* kp[kN];
+  const uint8_t* sp[kN];
+  for (int k = 0; k < kN; ++k) {
+    const int lane = w.lane(k), tok = tok0 + (lane & 15), G = lane >> 4;
+    kp[k] = page + tok * token_stride + Fr::key_byte(G);
+    sp[k] = nullptr;
+    if constexpr (kFp4<F>) sp[k] = scales + tok * scale_stride + Fr::scale_byte(G);
+  }
 #pragma unroll 1
   for (int t = 0; t < kMTiles; t += kBatch) {
     uint32_t raw[kN][kBatch][Fr::kWords];
     uint32_t sc[kN][kBatch];
 #pragma unroll
-    for (int b = 0; b < kBatch; ++b)
+    for (int b = 0; b < kBatch; ++b) {
+      const int64_t row = (t + b) * kTileM;
       for (int k = 0; k < kN; ++k) {
-        const int lane = w.lane(k), tok = tok0 + (t + b) * kTileM + (lane & 15), G = lane >> 4;
-        w.template load_key<F>(page + tok * token_stride + Fr::key_byte(G), raw[k][b]);
+        w.template load_key<F>(kp[k] + row * token_stride, raw[k][b]);
         sc[k][b] = 0;
-        if constexpr (kFp4<F>) sc[k][b] = w.load2(scales + tok * scale_stride + Fr::scale_byte(G));
+        if constexpr (kFp4<F>) sc[k][b] = w.load2(sp[k] + row * scale_stride);
       }
+    }
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       float d[kN][NB][4];
