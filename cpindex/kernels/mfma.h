@@ -66,11 +66,19 @@ CP_HOST_DEVICE uint32_t perm(uint32_t hi, uint32_t lo, uint32_t sel) {
 }
 
 // Four e4m3fn bytes as the FNUZ bytes of half their values: bytes whose low 7 bits are 0
-// (+0 and -0) become +0 (bit 7 of each byte of nz: its low 7 bits are not all zero; the add
-// cannot carry into the next byte).
+// (+0 and -0) become +0. Per byte, bit 7 of nz: its low 7 bits m are not all zero (the add
+// cannot carry into the next byte); w & nz keeps that sign bit, and its low bits, m & (m + 0x7f),
+// lie within m, so OR-ing m back restores them (one v_and_or_b32).
 CP_HOST_DEVICE uint32_t fnuz_from_fn(uint32_t w) {
-  const uint32_t nz = ((w & 0x7f7f7f7fu) + 0x7f7f7f7fu) & 0x80808080u;
-  return w & (nz | 0x7f7f7f7fu);
+  const uint32_t m = w & 0x7f7f7f7fu, nz = m + 0x7f7f7f7fu;
+#if defined(__HIP_DEVICE_COMPILE__) && defined(__gfx942__)
+  // The compiler would fold it back to w & (nz | 0x7f7f7f7f): an OR and an AND.
+  uint32_t r;
+  asm("v_and_or_b32 %0, %1, %2, %3" : "=v"(r) : "v"(w), "v"(nz), "v"(m));
+  return r;
+#else
+  return (w & nz) | m;
+#endif
 }
 
 // Per format: K-steps per 128 dims, the raw words a lane loads per token, where they are.
