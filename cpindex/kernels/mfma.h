@@ -66,11 +66,19 @@ CP_HOST_DEVICE uint32_t perm(uint32_t hi, uint32_t lo, uint32_t sel) {
 }
 
 // Four e4m3fn bytes as the FNUZ bytes of half their values: bytes whose low 7 bits are 0
-// (+0 and -0) become +0 (bit 7 of each byte of nz: its low 7 bits are not all zero; the add
-// cannot carry into the next byte).
+// (+0 and -0) become +0. Per byte, bit 7 of nz: its low 7 bits m are not all zero (the add
+// cannot carry into the next byte); w & nz keeps that sign bit, and its low bits, m & (m + 0x7f),
+// lie within m, so OR-ing m back restores them (one v_and_or_b32).
 CP_HOST_DEVICE uint32_t fnuz_from_fn(uint32_t w) {
-  const uint32_t nz = ((w & 0x7f7f7f7fu) + 0x7f7f7f7fu) & 0x80808080u;
-  return w & (nz | 0x7f7f7f7fu);
+  const uint32_t m = w & 0x7f7f7f7fu, nz = m + 0x7f7f7f7fu;
+#if defined(__HIP_DEVICE_COMPILE__) && defined(__gfx942__)
+  // The compiler would fold it back to w & (nz | 0x7f7f7f7f): an OR and an AND.
+  uint32_t r;
+  asm("v_and_or_b32 %0, %1, %2, %3" : "=v"(r) : "v"(w), "v"(nz), "v"(m));
+  return r;
+#else
+  return (w & nz) | m;
+#endif
 }
 
 // Per format: K-steps per 128 dims, the raw words a lane loads per token, where they are.
@@ -172,50 +180,60 @@ constexpr int kNTiles = (8 * NT + kTileN - 1) / kTileN;
 // (val[u][e]), read from lane n % 16.
 CP_HOST_DEVICE int pass_vector(int u, int e, int c) { return 8 * u + 2 * c + e; }
 
-// Masked running max of one MFMA tile: D item i of lane l is token tok + 4 (l / 16) + i of vector
-// (N-tile) column l % 16, which counts when it is before its row's causal length: limit - cut
-// (cut = T - 1 - the vector's query token) or when the whole page is seen (full).
-template <int NB>
+// Running max of one MFMA tile: D item i of lane l is token tok + 4 (l / 16) + i of vector
+// (N-tile) column l % 16. kMasked: a token counts only before its row's causal length,
+// limit - cut (cut = T - 1 - the vector's query token); without it (a page every row sees
+// whole) all count, and the maxima pair up as 3-input maxes.
+template <int NB, bool kMasked>
 CP_HOST_DEVICE void keep_max(float (&m)[NB], const float (&d)[NB][4], int lane, int tok,
-                             int limit, bool full, const int (&cut)[NB]) {
-  const int t0 = tok + 4 * (lane >> 4);
-  for (int nb = 0; nb < NB; ++nb)
-    for (int i = 0; i < 4; ++i)
-      if (full || t0 + i < limit - cut[nb]) m[nb] = __builtin_fmaxf(m[nb], d[nb][i]);
+                             int limit, const int (&cut)[NB]) {
+  for (int nb = 0; nb < NB; ++nb) {
+    if constexpr (kMasked) {
+      const int t0 = tok + 4 * (lane >> 4);
+      for (int i = 0; i < 4; ++i)
+        if (t0 + i < limit - cut[nb]) m[nb] = __builtin_fmaxf(m[nb], d[nb][i]);
+    } else {
+      m[nb] = __builtin_fmaxf(__builtin_fmaxf(m[nb], d[nb][0]), d[nb][1]);
+      m[nb] = __builtin_fmaxf(__builtin_fmaxf(m[nb], d[nb][2]), d[nb][3]);
+    }
+  }
 }
 
-// One wave's maxima over kMTiles MFMA tiles of a page from token tok0 (the whole page: 8 tiles;
-// a split page's part: fewer), for the pass's NB N-tiles, scaled: val[u][e] = vector
-// pass_vector(u, e, c) of lane 4g + c, as the kernel's other paths give it. qb: the pass's B
-// operands (prepare_operands). W: the wave (DeviceWave on the GPU, the emulator's host wave):
-// it runs kN lanes (1 on the GPU), and its loads, MFMA and cross-lane reads. Every per-lane
-// value is an array over those kN lanes.
-template <int F, bool kFnuz, int NT, int kMTiles, class W>
-CP_HOST_DEVICE void score_tiles(W& w, const uint8_t* page, int64_t token_stride,
+// The running maxima m over kMTiles MFMA tiles from token tok0 (score_tiles' arguments).
+template <int F, bool kFnuz, int NT, int kMTiles, bool kMasked, class W>
+CP_HOST_DEVICE void tile_maxima(W& w, const uint8_t* page, int64_t token_stride,
                                 const uint8_t* scales, int64_t scale_stride, const uint32_t* lut8,
-                                const uint64_t (&qb)[W::kN][kNTiles<NT>][kMaxSteps],
-                                int tok0, int limit, bool full, const int (&cut)[W::kN][kNTiles<NT>],
-                                float scale, float (&val)[W::kN][NT][2]) {
+                                const uint64_t (&qb)[W::kN][kNTiles<NT>][kMaxSteps], int tok0,
+                                int limit, const int (&cut)[W::kN][kNTiles<NT>],
+                                float (&m)[W::kN][kNTiles<NT>]) {
   using Fr = Frag<F>;
   constexpr int NB = kNTiles<NT>;
   constexpr int kN = W::kN;
   constexpr int kBatch = Fr::kBatch < kMTiles ? Fr::kBatch : kMTiles;
   static_assert(kMTiles % kBatch == 0, "whole batches");
-  float m[kN][NB];
-  for (int k = 0; k < kN; ++k)
-    for (int nb = 0; nb < NB; ++nb) m[k][nb] = -__builtin_huge_valf();
+  // Each lane's first token's bytes: a tile's are a wave-uniform step on (scalar arithmetic),
+  // not a 64-bit multiply per lane and load.
+  const uint8_t* kp[kN];
+  const uint8_t* sp[kN];
+  for (int k = 0; k < kN; ++k) {
+    const int lane = w.lane(k), tok = tok0 + (lane & 15), G = lane >> 4;
+    kp[k] = page + tok * token_stride + Fr::key_byte(G);
+    sp[k] = nullptr;
+    if constexpr (kFp4<F>) sp[k] = scales + tok * scale_stride + Fr::scale_byte(G);
+  }
 #pragma unroll 1
   for (int t = 0; t < kMTiles; t += kBatch) {
     uint32_t raw[kN][kBatch][Fr::kWords];
     uint32_t sc[kN][kBatch];
 #pragma unroll
-    for (int b = 0; b < kBatch; ++b)
+    for (int b = 0; b < kBatch; ++b) {
+      const int64_t row = (t + b) * kTileM;
       for (int k = 0; k < kN; ++k) {
-        const int lane = w.lane(k), tok = tok0 + (t + b) * kTileM + (lane & 15), G = lane >> 4;
-        w.template load_key<F>(page + tok * token_stride + Fr::key_byte(G), raw[k][b]);
+        w.template load_key<F>(kp[k] + row * token_stride, raw[k][b]);
         sc[k][b] = 0;
-        if constexpr (kFp4<F>) sc[k][b] = w.load2(scales + tok * scale_stride + Fr::scale_byte(G));
+        if constexpr (kFp4<F>) sc[k][b] = w.load2(sp[k] + row * scale_stride);
       }
+    }
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       float d[kN][NB][4];
@@ -239,9 +257,36 @@ CP_HOST_DEVICE void score_tiles(W& w, const uint8_t* page, int64_t token_stride,
         }
       }
       for (int k = 0; k < kN; ++k)
-        keep_max<NB>(m[k], d[k], w.lane(k), tok0 + (t + b) * kTileM, limit, full, cut[k]);
+        keep_max<NB, kMasked>(m[k], d[k], w.lane(k), tok0 + (t + b) * kTileM, limit, cut[k]);
     }
   }
+}
+
+// One wave's maxima over kMTiles MFMA tiles of a page from token tok0 (the whole page: 8 tiles;
+// a split page's part: fewer), for the pass's NB N-tiles, scaled: val[u][e] = vector
+// pass_vector(u, e, c) of lane 4g + c, as the kernel's other paths give it. qb: the pass's B
+// operands (prepare_operands). W: the wave (DeviceWave on the GPU, the emulator's host wave):
+// it runs kN lanes (1 on the GPU), and its loads, MFMA and cross-lane reads. Every per-lane
+// value is an array over those kN lanes.
+template <int F, bool kFnuz, int NT, int kMTiles, class W>
+CP_HOST_DEVICE void score_tiles(W& w, const uint8_t* page, int64_t token_stride,
+                                const uint8_t* scales, int64_t scale_stride, const uint32_t* lut8,
+                                const uint64_t (&qb)[W::kN][kNTiles<NT>][kMaxSteps],
+                                int tok0, int limit, bool full, const int (&cut)[W::kN][kNTiles<NT>],
+                                float scale, float (&val)[W::kN][NT][2]) {
+  using Fr = Frag<F>;
+  constexpr int NB = kNTiles<NT>;
+  constexpr int kN = W::kN;
+  float m[kN][NB];
+  for (int k = 0; k < kN; ++k)
+    for (int nb = 0; nb < NB; ++nb) m[k][nb] = -__builtin_huge_valf();
+  // full is the same in every lane (one page): only a request's last pages take the masks.
+  if (full)
+    tile_maxima<F, kFnuz, NT, kMTiles, false>(w, page, token_stride, scales, scale_stride, lut8,
+                                              qb, tok0, limit, cut, m);
+  else
+    tile_maxima<F, kFnuz, NT, kMTiles, true>(w, page, token_stride, scales, scale_stride, lut8,
+                                             qb, tok0, limit, cut, m);
   // The 4 lanes of a column (n, n + 16, n + 32, n + 48), then each lane's vectors from lane n.
   float col[NB][kN];
   for (int nb = 0; nb < NB; ++nb) {
