@@ -1,5 +1,5 @@
 """Every launch shape the fused kernel could take for a call, timed beside the one the launcher
-picks and the Triton scorer (docs/kernel.md, "Where the time goes"): full scans (W = 1) and rank
+picks and the Triton scorer (docs/BENCHMARKS.md, "The kernel alone"): full scans (W = 1) and rank
 0's share of W = 4, T = 1, 4 and 8.
 
     python benchmarks/launch_shapes.py [--formats bf16,fp8] [--variants ship,s23,...]

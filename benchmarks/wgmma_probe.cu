@@ -1,5 +1,5 @@
 // wgmma_probe.cu: checks, on an sm_90 GPU, what a warpgroup-mma path of the scoring kernel would
-// rely on (docs/kernel.md, "What would get there"): one warpgroup computes 64 keys x 32 query
+// rely on (docs/kernel.md, "The dot product"): one warpgroup computes 64 keys x 32 query
 // vectors (T = 8 rows of 4 heads) over a 128-dim head with A (the keys) from registers and B
 // (the queries) from shared memory, K-major and unswizzled, and the result is compared with a
 // float64 host dot product of the same values. Two instructions:

@@ -268,7 +268,7 @@ def test_head_counts(heads):
 @pytest.mark.parametrize("fmt", [*FORMATS, *NVFP4_FORMS])
 @pytest.mark.parametrize("t", [1, 3])
 def test_portable_path_matches(fmt, t):
-    """The scalar path AMD runs (CP_PORTABLE), built and run on this GPU."""
+    """The portable fallback (CP_PORTABLE: AMD GPUs without matrix cores), run on this GPU."""
     prob = testing.make_problem(9, 7000, fmt, query_len=t, seed=11, device="cuda")
     dev = torch.device("cuda", torch.cuda.current_device())
     mon = launcher.ErrorMonitor(dev, 0)

@@ -48,7 +48,7 @@ SPLIT_WARPS: tuple[int, ...] = (4, 2)
 # tokens, all but one in flight). HBM is read faster with about this many of those bytes in
 # flight per SM than with the 120-144 KiB of a fully occupied SM (91-92 % of its peak), so these
 # instances' persistent grid holds this many bytes per SM rather than as many CTAs as fit
-# (docs/kernel.md, "Where the time goes"). 0: every CTA that fits. Only calls of at least
+# (docs/BENCHMARKS.md, "The kernel alone"). 0: every CTA that fits. Only calls of at least
 # RING_MIN_ITEMS_PER_SM items per SM: below that, a call that fits one or two rounds of the full
 # grid loses more to extra rounds than it gains (fp8 at 8 x 32K 20-25 % slower). The
 # warpgroup-mma instance and the split pages keep their own grids, so this applies to bf16 with
@@ -64,7 +64,7 @@ RING_MIN_ITEMS_PER_SM = 32
 # slower); fp8 1-6 % faster in halves with one tile (1-18 % slower with two, and with four
 # query tiles every format). bf16 with four tiles (where the warpgroup instance does not take
 # them) in quarters that keep the queries in shared memory: 1-6 % faster from 62 items per SM,
-# 1-4 % slower at 16 (docs/kernel.md, "Where the time goes"). Only where SPLIT_WARPS holds that
+# 1-4 % slower at 16 (docs/BENCHMARKS.md, "The kernel alone"). Only where SPLIT_WARPS holds that
 # split; () keeps whole pages past the resident grid.
 RING_SPLIT_PAGES: tuple[tuple[str, int, int, int], ...] = (
     ("bf16", 1, 4, 0), ("bf16", 2, 2, 0), ("bf16", 4, 4, RING_MIN_ITEMS_PER_SM), ("fp8", 1, 2, 0)
