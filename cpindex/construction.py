@@ -20,6 +20,7 @@ handling").
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -271,33 +272,16 @@ def agree(
 
 def _meet(comm: Comm, mine: dict[str, Any], timeout_s: float) -> tuple[list[Any], int]:
     """The agreement's round: rounds ``new/1, 2, ...`` walked like reset()'s
-    (:class:`lockstep.ResetRounds`), skipping those some rank abandoned, so ranks whose
-    earlier constructions failed apart meet in the same round. Returns the reports and the
-    round's number."""
-    rank = comm.rank
-    while True:
-        n = lockstep.next_round(comm, "new")
-        try:
-            reports = lockstep.rendezvous(comm, f"new/{n}", mine, timeout_s)
-        except CollectiveTimeout as e:
-            if e.abandoned:
-                continue  # a lone or earlier construction gave up on this round: walk on
-            late = ", ".join(map(str, e.late)) or "unknown"
-            raise PeerTimeoutError(
-                f"rank {rank}: {WHAT} timed out after {timeout_s} s waiting for rank(s) {late}, "
-                "which did not come (not constructing, busy elsewhere, or their process died). "
-                f"{AGAIN}",
-                rank=rank,
-                peer=e.late[0] if e.late else -1,
-                call=0,
-                phase=WHAT,
-            ) from None
-        except CollectiveFailed as e:
-            raise lockstep.lost_connection(comm, WHAT, e.detail, 0, e.dead) from None
-        except lockstep.DIST_ERRORS as e:
-            raise lockstep.lost_connection(comm, WHAT, f"{type(e).__name__}: {e}") from None
-        comm.forget(f"new/{n - 1}")
-        return reports, n
+    (:func:`lockstep.walk`), skipping those some rank abandoned, so ranks whose earlier
+    constructions failed apart meet in the same round. Returns the reports and the round's
+    number."""
+    keys = (f"new/{lockstep.next_round(comm, 'new')}" for _ in itertools.count())
+    reports, key = lockstep.walk(
+        comm, keys, mine, timeout_s, what=WHAT, absent="not constructing", then=AGAIN
+    )
+    n = int(key.rsplit("/", 1)[1])
+    comm.forget(f"new/{n - 1}")
+    return reports, n
 
 
 def refuse(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -388,6 +389,43 @@ def lost_connection(
     )
 
 
+def walk(
+    comm: Comm,
+    keys: Iterator[str],
+    payload: Any,
+    timeout_s: float,
+    *,
+    what: str,
+    absent: str,
+    then: str,
+) -> tuple[list[Any], str]:
+    """Every rank's ``payload`` from the first round of ``keys`` that no rank abandoned, and
+    that round's key: the rounds of construction and of :class:`ResetRounds`. A rank that does
+    not come makes the round time out here, named (``absent``: what it may be doing instead,
+    ``then``: what is left to do); a lost store or peer raises :class:`PeerConnectionError`."""
+    for key in keys:
+        try:
+            return rendezvous(comm, key, payload, timeout_s), key
+        except CollectiveTimeout as e:
+            if e.abandoned:
+                continue  # a lone or earlier attempt gave up on this round: walk on
+            late = ", ".join(map(str, e.late)) or "unknown"
+            raise PeerTimeoutError(
+                f"rank {comm.rank}: {what} timed out after {timeout_s} s waiting for rank(s) "
+                f"{late}, which did not come ({absent}, busy elsewhere, or their process "
+                f"died). {then}",
+                rank=comm.rank,
+                peer=e.late[0] if e.late else -1,
+                call=0,
+                phase=what,
+            ) from None
+        except CollectiveFailed as e:
+            raise lost_connection(comm, what, e.detail, dead=e.dead) from None
+        except DIST_ERRORS as e:
+            raise lost_connection(comm, what, f"{type(e).__name__}: {e}") from None
+    raise AssertionError("keys ran out")  # the key sequences are endless
+
+
 class ResetRounds:
     """The rounds of :meth:`cpindex.IndexCP.reset` on one instance: a sequence of keys
     ``reset/{instance}/0, 1, 2, ...`` that every rank walks in order.
@@ -416,45 +454,33 @@ class ResetRounds:
         reset (a bad argument) sends ``{"refused": why}``: the others raise
         :class:`OutOfStepError` naming it, at once (:func:`cpindex.construction.reset`)."""
         comm = self.comm
+        reports, _ = walk(
+            comm, self._keys(), payload, timeout_s, what=what, absent="not calling reset()",
+            then="The instance stays broken: call reset() again on every rank.",
+        )  # fmt: skip
+        # Every rank has entered every round up to this one: the earlier ones can go.
+        for old in self._met[:-1]:
+            comm.forget(old)
+        self._met = self._met[-1:]
+        refused = [(r, rep["refused"]) for r, rep in enumerate(reports) if "refused" in rep]
+        if refused and not (isinstance(payload, dict) and "refused" in payload):
+            who = "; ".join(f"rank {r}: {why}" for r, why in refused)
+            raise OutOfStepError(
+                f"rank {comm.rank}: {what}: refused by {who}. Every rank raised; the "
+                "instance stays broken: call reset() again on every rank.",
+                rank=comm.rank,
+                peer=refused[0][0],
+                call=0,
+            )
+        return reports
+
+    def _keys(self) -> Iterator[str]:
+        """This instance's reset rounds from the first this rank has not entered."""
         while True:
             key = f"reset/{self.instance}/{self.next}"
             self.next += 1
             self._met.append(key)
-            try:
-                reports = rendezvous(comm, key, payload, timeout_s)
-            except CollectiveTimeout as e:
-                if e.abandoned:
-                    continue  # a lone or earlier reset gave up on this round: walk on
-                late = ", ".join(map(str, e.late)) or "unknown"
-                raise PeerTimeoutError(
-                    f"rank {comm.rank}: {what} timed out after {timeout_s} s waiting for "
-                    f"rank(s) {late}, which did not come (not calling reset(), busy elsewhere, "
-                    "or their process died). The instance stays broken: call reset() again on "
-                    "every rank.",
-                    rank=comm.rank,
-                    peer=e.late[0] if e.late else -1,
-                    call=0,
-                    phase=what,
-                ) from None
-            except CollectiveFailed as e:
-                raise lost_connection(comm, what, e.detail, dead=e.dead) from None
-            except DIST_ERRORS as e:
-                raise lost_connection(comm, what, f"{type(e).__name__}: {e}") from None
-            # Every rank has entered every round up to this one: the earlier ones can go.
-            for old in self._met[:-1]:
-                comm.forget(old)
-            self._met = self._met[-1:]
-            refused = [(r, rep["refused"]) for r, rep in enumerate(reports) if "refused" in rep]
-            if refused and not (isinstance(payload, dict) and "refused" in payload):
-                who = "; ".join(f"rank {r}: {why}" for r, why in refused)
-                raise OutOfStepError(
-                    f"rank {comm.rank}: {what}: refused by {who}. Every rank raised; the "
-                    "instance stays broken: call reset() again on every rank.",
-                    rank=comm.rank,
-                    peer=refused[0][0],
-                    call=0,
-                )
-            return reports
+            yield key
 
 
 def meet(comm: Comm, key: str, timeout_s: float, *, what: str) -> None:
